@@ -1,0 +1,71 @@
+"""LycheeConfig: the one frozen configuration that flows explicitly through api -> passes -> ops.
+
+Every field that changes the rewritten graph is part of `cache_key()`, which the backend folds into its identity
+so two configs never share a compiled artifact.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+
+
+class LycheeConfigError(ValueError):
+    """A LycheeConfig value makes no sense; the message says which and what to use instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LycheeConfig:
+    # Tokens each sparse head may attend to beyond sink/local (rounded up to whole blocks).
+    budget: int = 1024
+    # Tokens per block; blocks are aligned to absolute position 0. Power of two.
+    block_size: int = 16
+    # First `sink_tokens` valid positions of a row are always attended (their blocks, outside the budget).
+    sink_tokens: int = 16
+    # Last `local_tokens` valid positions (incl. the current token) are always attended (their blocks).
+    local_tokens: int = 64
+    # strict: any attention site that cannot be rewritten, or a head map that does not match, raises.
+    # Non-strict: such problems are logged once and counted; the graph is then left dense as a whole.
+    strict: bool = True
+    # What compiles the rewritten graph: "inductor" (default), or "eager" (run the FX graph as is; fast to
+    # build, used by tests that check the pass and numerics but not code generation).
+    backend: str = "inductor"
+
+    def __post_init__(self) -> None:
+        for name in ("budget", "block_size", "sink_tokens", "local_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                if isinstance(value, float) and math.isnan(value):
+                    raise LycheeConfigError(f"LycheeConfig.{name} is NaN; give a positive integer number of tokens.")
+                raise LycheeConfigError(
+                    f"LycheeConfig.{name} must be an int, got {type(value).__name__} {value!r}.")
+        if self.budget <= 0:
+            raise LycheeConfigError(f"LycheeConfig.budget must be > 0 tokens, got {self.budget}. "
+                                    "Use e.g. budget=1024; budget >= context length makes attention dense.")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise LycheeConfigError(f"LycheeConfig.block_size must be a power of two, got {self.block_size}.")
+        if self.block_size > self.budget:
+            raise LycheeConfigError(f"LycheeConfig.block_size ({self.block_size}) is larger than the budget "
+                                    f"({self.budget}): not even one block fits. Lower block_size or raise budget.")
+        if self.sink_tokens < 0 or self.local_tokens < 0:
+            raise LycheeConfigError("LycheeConfig.sink_tokens and local_tokens must be >= 0, got "
+                                    f"{self.sink_tokens} and {self.local_tokens}.")
+        if self.sink_tokens + self.local_tokens > self.budget:
+            raise LycheeConfigError(
+                f"sink_tokens + local_tokens ({self.sink_tokens} + {self.local_tokens}) exceeds the budget "
+                f"({self.budget}): the always-attended tokens would cost more than the whole budget. "
+                "Lower them or raise the budget.")
+        if not isinstance(self.strict, bool):
+            raise LycheeConfigError(f"LycheeConfig.strict must be a bool, got {self.strict!r}.")
+        if self.backend not in ("inductor", "eager"):
+            raise LycheeConfigError(f"LycheeConfig.backend must be 'inductor' or 'eager', got {self.backend!r}.")
+
+    @property
+    def num_select(self) -> int:
+        """Blocks a retrieval head selects: ceil(budget / block_size). The index-state width K."""
+        return -(-self.budget // self.block_size)
+
+    def cache_key(self) -> str:
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]

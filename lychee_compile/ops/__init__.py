@@ -1,0 +1,4 @@
+"""Op schemas (torch.library, namespace `lychee`), fake implementations and eager references."""
+from .hybrid_decode import hybrid_decode, hybrid_decode_op  # noqa: F401  (registers the op)
+from .index_state import EMPTY, INDEX_DTYPE, empty_index_state  # noqa: F401
+from .reference import hybrid_decode_reference  # noqa: F401

@@ -1,0 +1,105 @@
+"""Eager PyTorch reference of one hybrid decode step: the definition of correctness for every other path.
+
+Names and shapes (one global layer, decode step, query length 1):
+    q        [B, Hq, 1, D]   queries; Hq = Hkv * G (G query heads per KV head, GQA group)
+    k, v     [B, Hkv, T, D]  the un-expanded KV cache; T = cache capacity (static) or current length (dynamic)
+    valid    bool [B, T]     positions the row's attention mask allows (left padding: [pad_b, pos+1))
+    retrieval bool [Hkv]     True: retrieval head (full attention + selection); False: sparse head
+    idx_in   int32 [B, Hkv, K]  index state from the previous global layer (see index_state.py)
+    out      [B, Hq, 1, D]   attention output, q.dtype
+    idx_out  int32 [B, Hkv, K]
+All scores and probabilities are fp32.
+"""
+from __future__ import annotations
+
+import torch
+
+from .index_state import EMPTY, INDEX_DTYPE
+
+
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim restricted to `mask`; a row with nothing allowed gives zeros, never NaN."""
+    neg_inf = torch.finfo(scores.dtype).min
+    masked = scores.masked_fill(~mask, neg_inf)
+    row_max = masked.amax(dim=-1, keepdim=True)
+    e = torch.where(mask, torch.exp(masked - row_max), torch.zeros((), dtype=scores.dtype))
+    return e / e.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+
+
+def block_any(tok: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tensor:
+    """[..., T] bool -> [..., num_blocks] bool: does any position of the block hold True."""
+    pad = num_blocks * block_size - tok.shape[-1]
+    padded = torch.nn.functional.pad(tok, (0, pad), value=False)
+    return padded.unflatten(-1, (num_blocks, block_size)).any(dim=-1)
+
+
+def block_sum(tok: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tensor:
+    pad = num_blocks * block_size - tok.shape[-1]
+    padded = torch.nn.functional.pad(tok, (0, pad), value=0.0)
+    return padded.unflatten(-1, (num_blocks, block_size)).sum(dim=-1)
+
+
+def sink_local_blocks(valid: torch.Tensor, block_size: int, num_blocks: int, sink_tokens: int, local_tokens: int):
+    """Blocks holding the first `sink_tokens` / last `local_tokens` valid positions of each row: 2 x bool [B, nb]."""
+    count = torch.cumsum(valid.to(torch.int64), dim=-1)         # [B, T] valid positions up to and incl. t
+    n_valid = count[:, -1:]                                     # [B, 1]
+    sink_tok = valid & (count <= sink_tokens)
+    local_tok = valid & (count > n_valid - local_tokens)
+    return block_any(sink_tok, block_size, num_blocks), block_any(local_tok, block_size, num_blocks)
+
+
+def select_top_blocks(block_score: torch.Tensor, candidate: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k candidate blocks by score, ties to the lower block; returned sorted ascending, EMPTY-padded.
+
+    block_score fp32 [B, H, nb]; candidate bool [B, H, nb] -> int32 [B, H, k].
+    """
+    nb = block_score.shape[-1]
+    keyed = block_score.masked_fill(~candidate, float("-inf"))
+    # A stable descending sort keeps equal scores in position order, so the lower block wins a tie.
+    order = torch.sort(keyed, dim=-1, descending=True, stable=True).indices[..., :k]
+    taken = torch.gather(candidate, -1, order)
+    chosen = torch.where(taken, order, torch.full_like(order, nb))   # nb sorts after every real block
+    chosen = torch.sort(chosen, dim=-1).values
+    if chosen.shape[-1] < k:
+        chosen = torch.nn.functional.pad(chosen, (0, k - chosen.shape[-1]), value=nb)
+    return torch.where(chosen == nb, torch.full_like(chosen, EMPTY), chosen).to(INDEX_DTYPE)
+
+
+def blocks_of_index(idx: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """int32 [B, H, K] index state -> bool [B, H, nb] membership (EMPTY and out-of-range slots ignored)."""
+    idx = idx.to(torch.int64)
+    real = (idx >= 0) & (idx < num_blocks)
+    member = torch.zeros(*idx.shape[:-1], num_blocks + 1, dtype=torch.bool, device=idx.device)
+    member.scatter_(-1, torch.where(real, idx, torch.full_like(idx, num_blocks)), True)
+    return member[..., :num_blocks]
+
+
+def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, block_size: int,
+                            sink_tokens: int, local_tokens: int):
+    B, Hq, L, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    if L != 1:
+        raise ValueError(f"lychee::hybrid_decode is a decode-step op (query length 1); got query length {L}.")
+    G = Hq // Hkv
+    nb = -(-T // block_size)
+    k_sel = idx_in.shape[-1]
+
+    scores = torch.einsum("bhgd,bhtd->bhgt", q.float().reshape(B, Hkv, G, D), k.float()) * scale  # [B,Hkv,G,T]
+    sink_blk, local_blk = sink_local_blocks(valid, block_size, nb, sink_tokens, local_tokens)      # [B, nb]
+
+    # Retrieval heads: full attention over valid positions, block scores for the next layer's selection.
+    p_full = masked_softmax(scores, valid[:, None, None, :])
+    block_score = block_sum(p_full.sum(dim=2), block_size, nb)                                     # [B,Hkv,nb]
+    candidate = block_any(valid, block_size, nb) & ~sink_blk & ~local_blk                          # [B, nb]
+    selected = select_top_blocks(block_score, candidate[:, None, :].expand(B, Hkv, nb), k_sel)
+
+    # Sparse heads: inherited blocks plus sink and local blocks, valid positions only.
+    sparse_blk = blocks_of_index(idx_in, nb) | (sink_blk | local_blk)[:, None, :]                   # [B,Hkv,nb]
+    sparse_tok = sparse_blk.repeat_interleave(block_size, dim=-1)[..., :T] & valid[:, None, :]      # [B,Hkv,T]
+
+    is_retrieval = retrieval.to(torch.bool)[None, :, None]                                          # [1,Hkv,1]
+    attend = torch.where(is_retrieval, valid[:, None, :], sparse_tok)                              # [B,Hkv,T]
+    p = torch.where(is_retrieval[..., None], p_full, masked_softmax(scores, attend[:, :, None, :]))
+    out = torch.einsum("bhgt,bhtd->bhgd", p, v.float()).reshape(B, Hq, 1, D).to(q.dtype)
+    idx_out = torch.where(is_retrieval, selected, idx_in)
+    return out, idx_out
