@@ -1,0 +1,127 @@
+"""lychee_compile(model, head_map, config): the one entry point.
+
+Order of work, so that bad input never leaves a half-changed model:
+  1. validate config, model and head map (pure checks);
+  2. probe: one tiny generate() through a detect-only backend, run on a copy of nothing -- the model's own weights,
+     its state restored afterwards -- which finds every attention site and refuses unsupported forms;
+  3. only then change the model: a static cache and a CompileConfig with our backend in its generation config, so a
+     plain model.generate(...) compiles the decode step with the rewrite (prefill stays eager and dense).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .backend import make_backend
+from .config import LycheeConfig, LycheeConfigError
+from .head_map import HeadMap, HeadMapError
+from .passes import Counters, LycheeCompileError, PassContext, run_passes
+
+_STATE_ATTR = "_lychee_state"
+
+
+class LycheeState:
+    """What lychee_compile attaches to a model: its config, effective head map, counters and backend."""
+
+    def __init__(self, config, head_map, retrieval, global_layers, counters, backend):
+        self.config, self.head_map, self.retrieval = config, head_map, retrieval
+        self.global_layers, self.counters, self.backend = global_layers, counters, backend
+
+
+def lychee_compile(model, head_map, config: LycheeConfig | None = None):
+    config = LycheeConfig() if config is None else config
+    if not isinstance(config, LycheeConfig):
+        raise LycheeConfigError(f"config must be a LycheeConfig, got {type(config).__name__}.")
+    _check_model(model)
+    if isinstance(head_map, (str, os.PathLike)):
+        head_map = HeadMap.load(head_map)
+    if not isinstance(head_map, HeadMap):
+        raise HeadMapError(f"head_map must be a HeadMap or a path to one, got {type(head_map).__name__}.")
+    head_map.validate_for(model, config.strict)
+
+    global_layers = probe_global_layers(model, config)
+    retrieval = head_map.effective(global_layers)
+    counters = Counters()
+    backend = make_backend(model, config, retrieval, counters, head_map.digest())
+    _install(model, backend)
+    setattr(model, _STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend))
+    return model
+
+
+def state_of(model) -> LycheeState:
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise LycheeCompileError("this model has not been through lychee_compile().")
+    return state
+
+
+def _check_model(model) -> None:
+    config = getattr(model, "config", None)
+    if not isinstance(model, torch.nn.Module) or config is None or not hasattr(model, "generate"):
+        raise LycheeCompileError(f"lychee_compile takes a transformers causal LM (a PreTrainedModel with generate()), "
+                                 f"got {type(model).__name__}.")
+    if getattr(model, _STATE_ATTR, None) is not None:
+        raise LycheeCompileError("lychee_compile was already applied to this model; call it once per model "
+                                 "(load a fresh model to change the head map or config).")
+    if getattr(config, "is_encoder_decoder", False):
+        raise LycheeCompileError(f"{type(model).__name__} is an encoder-decoder model; lychee_compile rewrites "
+                                 "decoder-only self-attention.")
+    if getattr(config, "output_attentions", False):
+        raise LycheeCompileError("model.config.output_attentions=True: lychee ops do not materialize attention "
+                                 "weights. Set it to False.")
+    if model.training:
+        raise LycheeCompileError("the model is in training mode (dropout active); call model.eval() first.")
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in (None, "sdpa", "eager"):
+        raise LycheeCompileError(f"attention implementation {impl!r} is not captured by lychee_compile; load the "
+                                 "model with attn_implementation='sdpa' or 'eager'.")
+
+
+def probe_global_layers(model, config: LycheeConfig) -> list[int]:
+    """Trace one decode step through the detect/check passes only; returns the global layers. Raises on problems."""
+    counters = Counters()
+    found: list[PassContext] = []
+
+    def probe_backend(gm, example_inputs, **kwargs):
+        ctx = run_passes(PassContext(gm, model, config, None, counters, rewrite=False))
+        found.append(ctx)
+        return gm.forward
+
+    from transformers import CompileConfig
+    compile_config = CompileConfig(backend=probe_backend, fullgraph=True, mode=None, dynamic=False)
+    compile_config._compile_all_devices = True
+    ids = torch.ones(1, 2, dtype=torch.long, device=model.device)
+    saved = dict(model.__dict__)
+    try:
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
+                           do_sample=False, cache_implementation="static", compile_config=compile_config,
+                           pad_token_id=0, eos_token_id=None)
+    except torch._dynamo.exc.BackendCompilerFailed as exc:
+        raise _unwrap(exc) from None
+    finally:
+        for key in set(model.__dict__) - set(saved):
+            del model.__dict__[key]
+        model.__dict__.update(saved)
+    decode = [c for c in found if c.is_decode]
+    if not decode:
+        raise LycheeCompileError("the probe generate() never compiled a decode step, so no attention could be "
+                                 "checked; is this a transformers causal LM that supports a static cache?")
+    return sorted(s.layer_idx for s in decode[0].sites if s.kind == "global")
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    inner = exc
+    while inner is not None and not isinstance(inner, (LycheeCompileError, HeadMapError, LycheeConfigError)):
+        inner = inner.__cause__ or getattr(inner, "inner_exception", None)
+    return inner if inner is not None else exc
+
+
+def _install(model, backend) -> None:
+    from transformers import CompileConfig
+    compile_config = CompileConfig(backend=backend, fullgraph=True, mode=None, dynamic=False)
+    # HF auto-compiles generate() only on accelerators unless this flag is set; we want the rewrite everywhere.
+    compile_config._compile_all_devices = True
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.compile_config = compile_config

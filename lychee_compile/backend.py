@@ -1,0 +1,34 @@
+"""Our torch.compile backend: run the pass pipeline on the Dynamo graph, then hand it to Inductor (or run it as is).
+
+The backend is a plain closure (HF deep-copies its CompileConfig; a function deep-copies to itself), named after the
+config key and head-map digest so two configurations never share an identity in Dynamo's cache.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .passes import Counters, PassContext, run_passes
+
+log = logging.getLogger("lychee_compile")
+
+
+def make_backend(model, config, retrieval: torch.Tensor, counters: Counters, head_map_digest: str):
+    def lychee_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+        # kwargs: torch.compile / HF's CompileConfig pass mode= and options=; the spine ignores them.
+        ctx = run_passes(PassContext(gm, model, config, retrieval, counters))
+        log.info("lychee_compile: graph %d (%s): %d sites, %d rewritten in total", counters.graphs,
+                 "decode" if ctx.is_decode else "prefill", len(ctx.sites), counters.sites_rewritten)
+        if config.backend == "eager":
+            return gm.forward
+        return _inductor(gm, example_inputs)
+
+    lychee_backend.__name__ = f"lychee_backend_{config.cache_key()}_{head_map_digest}"
+    return lychee_backend
+
+
+def _inductor(gm, example_inputs):
+    from . import lowering
+    lowering.register()
+    return torch._dynamo.lookup_backend("inductor")(gm, example_inputs)

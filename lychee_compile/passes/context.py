@@ -1,0 +1,95 @@
+"""What the passes share: the attention sites found in a graph, the counters, and the error type.
+
+A pass reads and writes one PassContext; nothing flows between passes through globals.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch.fx
+
+log = logging.getLogger("lychee_compile")
+
+
+class LycheeCompileError(RuntimeError):
+    """The model cannot be rewritten as asked; the message names the problem and what to do."""
+
+
+@dataclasses.dataclass
+class Site:
+    """One attention computation found in the graph.
+
+    form: "sdpa" (one F.scaled_dot_product_attention call) or "eager" (matmul -> softmax -> matmul chain).
+    q: [B, Hq, L, D]; k, v: as the attention consumed them (possibly repeat_kv-expanded to Hq heads);
+    mask: the mask node or None; output: the node whose value is the attention output [B, Hq, L, D];
+    matched: every node of the matched form (removed after rewriting when it has no users left).
+    Filled by later passes: kv_k / kv_v ([B, Hkv, T, D] after peeling repeat_kv), scale, layer_idx, module,
+    kind ("global" | "sliding" | "prefill"), refusal (why it cannot be rewritten).
+    """
+    form: str
+    q: torch.fx.Node
+    k: torch.fx.Node
+    v: torch.fx.Node
+    mask: torch.fx.Node | None
+    output: torch.fx.Node
+    matched: list[torch.fx.Node]
+    scale: float | None = None
+    enable_gqa: bool = False
+    kv_k: torch.fx.Node | None = None
+    kv_v: torch.fx.Node | None = None
+    mask_kind: str | None = None           # "none" | "bool" | "additive"
+    module_path: str | None = None
+    module: object | None = None
+    layer_idx: int | None = None
+    kind: str | None = None
+    refusal: str | None = None
+    op_node: torch.fx.Node | None = None   # the lychee op that replaced it (rewrite pass)
+
+    def describe(self) -> str:
+        where = f"layer {self.layer_idx}" if self.layer_idx is not None else (self.module_path or "?")
+        return f"{self.form} attention at {where} (node {self.output.name})"
+
+
+@dataclasses.dataclass
+class Counters:
+    """Per compiled model; accumulated over every graph our backend sees."""
+    graphs: int = 0
+    decode_graphs: int = 0
+    prefill_graphs: int = 0
+    sites_found: int = 0
+    sites_rewritten: int = 0
+    sites_sliding: int = 0
+    sites_refused: int = 0
+    graphs_left_dense: int = 0
+    reasons: list[str] = dataclasses.field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class PassContext:
+    gm: torch.fx.GraphModule
+    model: object
+    config: object                   # LycheeConfig
+    retrieval: object                # bool [num_layers, num_kv_heads], the effective head map (or None: probe)
+    counters: Counters
+    sites: list[Site] = dataclasses.field(default_factory=list)
+    is_decode: bool | None = None
+    rewrite: bool = True             # False: detect and check only (the probe in lychee_compile)
+    aborted: str | None = None       # set when the graph is left dense as a whole (non-strict)
+
+    @property
+    def strict(self) -> bool:
+        return self.config.strict
+
+    def refuse_graph(self, message: str) -> None:
+        """Strict: raise. Otherwise log once, count, and leave the whole graph dense (no half-rewrites)."""
+        if self.strict:
+            raise LycheeCompileError(message)
+        if message not in self.counters.reasons:
+            log.warning("lychee_compile: %s -- this graph is left dense.", message)
+            self.counters.reasons.append(message)
+        self.counters.graphs_left_dense += 1
+        self.aborted = message

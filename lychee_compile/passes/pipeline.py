@@ -1,0 +1,42 @@
+"""The pass pipeline: a declarative list of named passes over one PassContext.
+
+    detect        find attention sites (sdpa call / eager matmul-softmax-matmul chain)
+    canonicalize  peel repeat_kv to [B, Hkv, T, D], mask kind, explicit scale
+    classify      layer of each site; global / sliding / prefill
+    check         all-or-nothing decision for the graph (strict raises, non-strict leaves it dense)
+    rewrite       global decode sites -> lychee::hybrid_decode
+    thread_state  index state from each op to the next
+The probe in api.py runs the same list up to `check` (with window-aware classification off).
+"""
+from __future__ import annotations
+
+from .canonicalize import canonicalize_sites
+from .check import check_coverage
+from .classify import classify_for_probe, classify_sites
+from .context import PassContext
+from .detect import find_sites
+from .rewrite import rewrite_sites
+from .thread_state import thread_index_state
+
+PASSES = [
+    ("detect", find_sites),
+    ("canonicalize", canonicalize_sites),
+    ("classify", classify_sites),
+    ("check", check_coverage),
+    ("rewrite", rewrite_sites),
+    ("thread_state", thread_index_state),
+]
+PROBE_PASSES = [(name, classify_for_probe if name == "classify" else fn)
+                for name, fn in PASSES[:[n for n, _ in PASSES].index("check") + 1]]
+
+
+def run_passes(ctx: PassContext) -> PassContext:
+    passes = PASSES if ctx.rewrite else PROBE_PASSES
+    for _name, fn in passes:
+        fn(ctx)
+        if ctx.aborted:
+            return ctx
+    if ctx.rewrite and ctx.is_decode:
+        ctx.gm.graph.lint()
+        ctx.gm.recompile()
+    return ctx

@@ -1,0 +1,64 @@
+"""Pass `rewrite`: replace every global decode site by one `lychee::hybrid_decode` op.
+
+Per site, inserted right before the original attention output (so after the KV-cache write of that layer):
+    valid = valid_from_<mask kind>(mask, q)                  # bool [B, T]
+    kinds = head_kinds(q, retrieval row of the layer)        # bool [Hkv], runtime data of the op
+    res   = lychee.hybrid_decode.default(q, K, V, valid, kinds, <idx_in>, scale, block, sink, local)
+    out   = res[0]                                           # replaces the attention output
+    idx   = res[1]                                           # wired to the next layer by `thread_state`
+Then only the nodes this site matched are erased, and only once they have no users: never a global dead-code
+elimination, which would delete the in-place KV-cache writes (index_copy_/add_ look pure to FX).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..ops.hybrid_decode import hybrid_decode_op
+from .canonicalize import VALID_FROM, valid_everywhere
+from .context import PassContext, Site
+
+
+def head_kinds(q: torch.Tensor, row: tuple) -> torch.Tensor:
+    """The layer's head kinds as a tensor on q's device: bool [Hkv], True = retrieval head."""
+    return torch.tensor(row, dtype=torch.bool, device=q.device)
+
+
+def rewrite_sites(ctx: PassContext) -> None:
+    for site in ctx.sites:
+        if site.kind == "global":
+            _rewrite(ctx, site)
+            ctx.counters.sites_rewritten += 1
+
+
+def _rewrite(ctx: PassContext, site: Site) -> None:
+    graph, cfg = ctx.gm.graph, ctx.config
+    row = tuple(bool(x) for x in ctx.retrieval[site.layer_idx].tolist())
+    with graph.inserting_before(site.output):
+        if site.mask_kind == "none":
+            valid = graph.call_function(valid_everywhere, (site.q, site.kv_k))
+        else:
+            valid = graph.call_function(VALID_FROM[site.mask_kind], (site.mask, site.q))
+        kinds = graph.call_function(head_kinds, (site.q, row))
+        op = graph.call_function(hybrid_decode_op(), (site.q, site.kv_k, site.kv_v, valid, kinds, None, site.scale,
+                                                      cfg.block_size, cfg.sink_tokens, cfg.local_tokens))
+        out = graph.call_function(operator.getitem, (op, 0))
+        graph.call_function(operator.getitem, (op, 1))
+    for node in (valid, kinds, op, out):
+        node.meta["nn_module_stack"] = site.output.meta.get("nn_module_stack", {})
+    site.output.replace_all_uses_with(out)
+    site.op_node = op
+    _erase_matched(ctx, site)
+
+
+def _erase_matched(ctx: PassContext, site: Site) -> None:
+    pending = list(site.matched)
+    progress = True
+    while pending and progress:
+        progress = False
+        for node in list(pending):
+            if not node.users:
+                ctx.gm.graph.erase_node(node)
+                pending.remove(node)
+                progress = True

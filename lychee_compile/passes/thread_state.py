@@ -1,0 +1,33 @@
+"""Pass `thread_state`: wire the index state from each rewritten op to the next, in layer order.
+
+The first global layer's op gets a fresh EMPTY state (all its heads are retrieval heads, so it is read by no one);
+op l+1 reads op l's idx_out. The last idx_out is unused: no state lives across decode steps in the spine.
+Layout of the state: lychee_compile/ops/index_state.py.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..ops.index_state import EMPTY, INDEX_DTYPE
+from .context import PassContext
+
+IDX_IN = 5   # position of idx_in in lychee::hybrid_decode's schema
+
+
+def empty_index_state_like(k: torch.Tensor, num_select: int) -> torch.Tensor:
+    """int32 [B, Hkv, K] filled with EMPTY, on k's device."""
+    return torch.full((k.shape[0], k.shape[1], num_select), EMPTY, dtype=INDEX_DTYPE, device=k.device)
+
+
+def thread_index_state(ctx: PassContext) -> None:
+    ops = [s.op_node for s in sorted(ctx.sites, key=lambda s: s.layer_idx) if s.op_node is not None]
+    if not ops:
+        return
+    graph = ctx.gm.graph
+    with graph.inserting_before(ops[0]):
+        state = graph.call_function(empty_index_state_like, (ops[0].args[1], ctx.config.num_select))
+    for op in ops:
+        op.update_arg(IDX_IN, state)
+        state = next(u for u in op.users if u.target is operator.getitem and u.args[1] == 1)
