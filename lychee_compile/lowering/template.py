@@ -1,0 +1,549 @@
+"""Triton source of the hybrid decode kernels, written once as Jinja templates and rendered two ways:
+
+* by Inductor (`torch._inductor.select_algorithm.TritonTemplate`, see lower.py), which supplies `def_kernel`,
+  `size`, `stride` and `store_output` (epilogue fusion of the attention output);
+* standalone (`render_standalone` / `hybrid_decode_triton` below), which turns the same text into a plain
+  `@triton.jit` kernel with explicit size/stride arguments. That is what the TRITON_INTERPRET=1 tests, the sm_90
+  cross-compile checks and the benchmark's "kernel only" timing run. One source, so both paths run the same math.
+
+Two launches per layer:
+  1. SPLIT  grid (NUM_SPLITS,): flash-decoding over a pooled work list. Every (row b, KV head h) is a segment of
+     BLOCK_N-token tiles: a retrieval head's segment is its whole cache [0, T) (tiles with no valid token cost only
+     the 1-byte valid reads, masked loads move no KV bytes); a sparse head's segment is its sink blocks, local blocks
+     and its K inherited blocks (gathered rows). Segment sizes depend on the runtime head kinds (`RETR`), so the
+     pool and its cut into NUM_SPLITS equal slices are computed on the device by every program: no host sync, one
+     compiled kernel for every layer and head map. A slice writes one partial (max, sum, acc) per segment it
+     touches; retrieval tiles also write the log-sum-exp of each KV block per query head (for block scores).
+  2. COMBINE grid (B * HKV,): merges a segment's partials into the output, and for a retrieval head turns the
+     per-block log-sum-exps into block scores normalised by the row's global log-sum-exp, then selects the top
+     KSEL candidate blocks (exact radix/binary search on the fp32 bit pattern, ties to the lower block) and writes
+     them sorted ascending, EMPTY-padded; a sparse head copies its index row through.
+
+Preconditions (documented, not checked on the device): each row's valid positions are one contiguous range
+(left padding: [pad_b, pos+1)); idx_in rows hold distinct blocks (the index-state invariant).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import math
+import os
+import sys
+import tempfile
+
+import jinja2
+
+GLOSSARY = '''
+    # ---- glossary (names and shapes) -------------------------------------------------------------------------
+    # B        batch rows (runtime)            T      cache length of K/V (runtime)     NB = ceil(T / BS) KV blocks
+    # HKV      KV heads (constexpr)            G      query heads per KV head (GQA group; constexpr)
+    # GP       G padded for tl.dot (>= 16)     G2     G padded to a power of two (combine)
+    # D        head dim (constexpr: 64/128/256)
+    # BS       tokens per KV block             BLOCK_N tokens per tile (multiple of BS)   NBT = BLOCK_N // BS
+    # KSEL     index-state width K             KP     KSEL padded to a power of two
+    # SINK, LOCAL   sink / local token counts;  S_MAX, L_MAX  most blocks they can touch (ceil(n / BS) + 1, or 0)
+    # NUM_SPLITS  programs of the split launch (fixed grid, from the SM count); a segment's partials use slots
+    #             [0, splits touching it) of its NUM_SPLITS-wide row
+    # Q     [B, HKV*G, 1, D]  q.dtype        K, V  [B, HKV, T, D]          VALID int8 [B, T]   RETR int8 [HKV]
+    # IDX   int32 [B, HKV, KSEL]  index state in (EMPTY = -1)         IDXO int32 [B, HKV, KSEL] index state out
+    # PM, PL  fp32 [B*HKV, NUM_SPLITS, G]   per-slot running max (log2 units) and sum of exp2
+    # PACC    fp32 [B*HKV, NUM_SPLITS, G, D] per-slot unnormalised output
+    # BLSE    fp32 [B, HKV, G, NB]   per-block log2-sum-exp2 of the scaled scores (retrieval heads)
+    # KEYS    int32 [B, HKV, NB]     selection keys: fp32 bits of the block score, -1 for non-candidates
+    # OUT     [B, HKV*G, 1, D] q.dtype
+    # seg = b * HKV + h; tile lt of a segment covers virtual tokens [lt*BLOCK_N, (lt+1)*BLOCK_N)
+    # sparse virtual blocks: [0, S_MAX) sink, [S_MAX, S_MAX+L_MAX) local, then KSEL inherited slots
+    # ---------------------------------------------------------------------------------------------------------
+'''
+
+SPLIT_SOURCE = '''
+{{def_kernel("Q", "K", "V", "VALID", "RETR", "IDX", "PM", "PL", "BLSE")}}
+''' + GLOSSARY + '''
+    B = {{size("Q", 0)}}
+    T = {{size("K", 2)}}
+    stride_qb, stride_qh, stride_qm, stride_qd = {{stride("Q")}}
+    stride_kb, stride_kh, stride_kt, stride_kd = {{stride("K")}}
+    stride_vb, stride_vh, stride_vt, stride_vd = {{stride("V")}}
+    stride_mb, stride_mt = {{stride("VALID")}}
+    stride_ib, stride_ih, stride_ik = {{stride("IDX")}}
+    NB = (T + BS - 1) // BS
+    NBT: tl.constexpr = BLOCK_N // BS
+    NTS: tl.constexpr = ((S_MAX + L_MAX + KSEL) * BS + BLOCK_N - 1) // BLOCK_N
+    NTR = (T + BLOCK_N - 1) // BLOCK_N
+
+    # work pool: tiles per segment from the runtime head kinds, prefix sums over heads, equal cut into slices
+    hh = tl.arange(0, HKV_P)
+    rflag = tl.load(RETR + hh, mask=hh < HKV, other=0).to(tl.int32)
+    ntile = tl.where(hh < HKV, tl.where(rflag != 0, NTR, NTS), 0)
+    cum_incl = tl.cumsum(ntile, 0)
+    R = tl.sum(ntile, 0)
+    W = B * R
+    s = tl.program_id(0)
+    g_cur = (s * W) // NUM_SPLITS
+    g_end = ((s + 1) * W) // NUM_SPLITS
+
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ok = offs_g < G
+    while g_cur < g_end:
+        b = g_cur // R
+        r = g_cur - b * R
+        h = tl.sum((cum_incl <= r).to(tl.int32), 0)
+        seg_n = tl.sum(tl.where(hh == h, ntile, 0), 0)
+        seg_first_local = tl.sum(tl.where(hh == h, cum_incl, 0), 0) - seg_n
+        retr_i = tl.sum(tl.where(hh == h, rflag, 0), 0)
+        lt0 = r - seg_first_local
+        lt1 = tl.minimum(seg_n, lt0 + (g_end - g_cur))
+        s0 = ((b * R + seg_first_local + 1) * NUM_SPLITS - 1) // W
+        slot = s - s0
+        seg = b * HKV + h
+        b64 = b.to(tl.int64)
+        h64 = h.to(tl.int64)
+
+        # sink / local blocks of this row (sparse heads only; valid is one contiguous range [lo, hi))
+        lo = tl.zeros([], tl.int32)
+        hi = tl.zeros([], tl.int32)
+        if retr_i == 0:
+            lo, hi = _lychee_row_extent(VALID + b64 * stride_mb, stride_mt, T, SCAN)
+        has = lo < hi
+        sb0 = lo // BS
+        sb1 = tl.where(has & (SINK > 0), (tl.minimum(lo + SINK, hi) - 1) // BS + 1, sb0)
+        lb0 = tl.maximum(hi - LOCAL, lo) // BS
+        lb1 = tl.where(has & (LOCAL > 0), (hi - 1) // BS + 1, lb0)
+        lb0e = tl.maximum(lb0, sb1)
+
+        q = tl.load(Q + b64 * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                    mask=g_ok[:, None], other=0.0)
+        k_base = K + b64 * stride_kb + h64 * stride_kh
+        v_base = V + b64 * stride_vb + h64 * stride_vh
+        valid_base = VALID + b64 * stride_mb
+        idx_base = IDX + b64 * stride_ib + h64 * stride_ih
+        blse_base = BLSE + (seg.to(tl.int64) * G) * NB
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        # head kind as vectors (the interpreter rejects scalar-bool & vector-bool masks)
+        r_n = (offs_n * 0 + retr_i) != 0
+        r_g = (offs_g * 0 + retr_i) != 0
+        for lt in range(lt0, lt1):
+            n = lt * BLOCK_N + offs_n
+            vb = n // BS
+            j = vb - (S_MAX + L_MAX)
+            ib = tl.load(idx_base + j * stride_ik, mask=(~r_n) & (j >= 0) & (j < KSEL), other=-1)
+            in_sink = vb < S_MAX
+            in_local = (vb >= S_MAX) & (vb < S_MAX + L_MAX)
+            blk = tl.where(in_sink, sb0 + vb, tl.where(in_local, lb0e + (vb - S_MAX), ib))
+            ok_idx = (ib >= 0) & (ib < NB) & ((ib < sb0) | (ib >= sb1)) & ((ib < lb0) | (ib >= lb1))
+            ok_s = tl.where(in_sink, blk < sb1, tl.where(in_local, blk < lb1, ok_idx))
+            tok = tl.where(r_n, n, blk * BS + (n % BS))
+            ok = tl.where(r_n, n < T, ok_s & (tok < T))
+            vld = tl.load(valid_base + tok * stride_mt, mask=ok, other=0)
+            ok = ok & (vld != 0)
+            kt = tl.load(k_base + tok[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=ok[:, None], other=0.0)
+            if DOT_UPCAST:  # TRITON_INTERPRET=1: the interpreter's bf16 tl.dot is wrong (triton 3.9), use fp32
+                qk = tl.dot(q.to(tl.float32), tl.trans(kt).to(tl.float32), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(kt))
+            qk = qk * QK_SCALE_LOG2
+            qk = tl.where(ok[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vt = tl.load(v_base + tok[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=ok[:, None], other=0.0)
+            if DOT_UPCAST:
+                acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m_i = m_new
+            # per-block log2-sum-exp2 for the retrieval head's block scores (tiles of a retrieval segment are aligned)
+            x = tl.reshape(qk, (GP, NBT, BS))
+            bm = tl.max(x, 2)
+            bms = tl.where(bm == float("-inf"), 0.0, bm)
+            blse = bms + tl.log2(tl.sum(tl.exp2(x - bms[:, :, None]), 2))
+            bidx = lt * NBT + tl.arange(0, NBT)
+            tl.store(blse_base + offs_g[:, None] * NB + bidx[None, :], blse,
+                     mask=(r_g & g_ok)[:, None] & (bidx[None, :] < NB))
+        prow = seg * NUM_SPLITS + slot
+        tl.store(PM + prow * G + offs_g, m_i, mask=g_ok)
+        tl.store(PL + prow * G + offs_g, l_i, mask=g_ok)
+        xs = seg
+        xt = slot
+        xg = offs_g[:, None]
+        xd = offs_d[None, :]
+        amask = g_ok[:, None] & (offs_d[None, :] < D)
+        {{store_output(("xs", "xt", "xg", "xd"), "acc", "amask", indent_width=8)}}
+        g_cur += lt1 - lt0
+''' + '''
+
+@triton.jit
+def _lychee_row_extent(VROW, stride_t, T, SCAN: tl.constexpr):
+    """First valid position lo and one past the last valid position hi of a row (lo == hi == 0 if none)."""
+    offs = tl.arange(0, SCAN)
+    lo = tl.zeros([], tl.int32) + T
+    start = tl.zeros([], tl.int32)
+    while (start < T) & (lo == T):
+        pos = start + offs
+        v = tl.load(VROW + pos * stride_t, mask=pos < T, other=0)
+        lo = tl.minimum(lo, tl.min(tl.where(v != 0, pos, T), 0))
+        start += SCAN
+    hi = tl.zeros([], tl.int32)
+    end = tl.zeros([], tl.int32) + T
+    while (end > 0) & (hi == 0):
+        pos = end - SCAN + offs
+        v = tl.load(VROW + pos * stride_t, mask=(pos >= 0) & (pos < T), other=0)
+        hi = tl.maximum(hi, tl.max(tl.where(v != 0, pos + 1, 0), 0))
+        end -= SCAN
+    lo = tl.where(hi == 0, 0, lo)
+    return lo, hi
+'''
+
+COMBINE_SOURCE = '''
+{{def_kernel("PACC", "PM", "PL", "BLSE", "VALID", "RETR", "IDX", "IDXO", "KEYS")}}
+''' + GLOSSARY + '''
+    B = {{size("VALID", 0)}}
+    T = {{size("VALID", 1)}}
+    stride_mb, stride_mt = {{stride("VALID")}}
+    stride_ib, stride_ih, stride_ik = {{stride("IDX")}}
+    stride_ob, stride_oh, stride_ok = {{stride("IDXO")}}
+    NB = (T + BS - 1) // BS
+    NTS: tl.constexpr = ((S_MAX + L_MAX + KSEL) * BS + BLOCK_N - 1) // BLOCK_N
+    NTR = (T + BLOCK_N - 1) // BLOCK_N
+    hh = tl.arange(0, HKV_P)
+    rflag = tl.load(RETR + hh, mask=hh < HKV, other=0).to(tl.int32)
+    ntile = tl.where(hh < HKV, tl.where(rflag != 0, NTR, NTS), 0)
+    cum_incl = tl.cumsum(ntile, 0)
+    R = tl.sum(ntile, 0)
+    W = B * R
+
+    pid = tl.program_id(0)
+    b = pid // HKV
+    h = pid - b * HKV
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    seg = pid
+    seg_n = tl.sum(tl.where(hh == h, ntile, 0), 0)
+    seg_first = b * R + tl.sum(tl.where(hh == h, cum_incl, 0), 0) - seg_n
+    retr_i = tl.sum(tl.where(hh == h, rflag, 0), 0)
+    s0 = ((seg_first + 1) * NUM_SPLITS - 1) // W
+    s1 = ((seg_first + seg_n) * NUM_SPLITS - 1) // W
+    nslot = s1 - s0 + 1
+
+    # ---- merge the segment's partials (flash-decoding combine) ----
+    gg = tl.arange(0, G2)
+    g_ok = gg < G
+    offs_c = tl.arange(0, SC)
+    offs_d = tl.arange(0, D)
+    M = tl.full([G2], float("-inf"), tl.float32)
+    for c in range(0, nslot, SC):
+        sl = c + offs_c
+        prow = (seg * NUM_SPLITS + sl)[:, None] * G + gg[None, :]
+        pm = tl.load(PM + prow, mask=(sl < nslot)[:, None] & g_ok[None, :], other=float("-inf"))
+        M = tl.maximum(M, tl.max(pm, 0))
+    Ms = tl.where(M == float("-inf"), 0.0, M)
+    L = tl.zeros([G2], tl.float32)
+    acc = tl.zeros([G2, D], tl.float32)
+    for c in range(0, nslot, SC):
+        sl = c + offs_c
+        pmask = (sl < nslot)[:, None] & g_ok[None, :]
+        prow = (seg * NUM_SPLITS + sl)[:, None] * G + gg[None, :]
+        pm = tl.load(PM + prow, mask=pmask, other=float("-inf"))
+        pl = tl.load(PL + prow, mask=pmask, other=0.0)
+        alpha = tl.exp2(pm - Ms[None, :])
+        L += tl.sum(pl * alpha, 0)
+        pa = tl.load(PACC + prow.to(tl.int64)[:, :, None] * D + offs_d[None, None, :], mask=pmask[:, :, None], other=0.0)
+        acc += tl.sum(pa * alpha[:, :, None], 0)
+    o = acc / tl.maximum(L, 1.1754943508222875e-38)[:, None]
+    xb = b
+    xq = (h * G + gg)[:, None]
+    xm = 0
+    xd = offs_d[None, :]
+    omask = g_ok[:, None] & (offs_d[None, :] < D)
+    {{store_output(("xb", "xq", "xm", "xd"), "o", "omask")}}
+
+    # ---- index state out ----
+    slots = tl.arange(0, KP)
+    out_base = IDXO + b64 * stride_ob + h64 * stride_oh
+    if retr_i == 0:
+        row = tl.load(IDX + b64 * stride_ib + h64 * stride_ih + slots * stride_ik, mask=slots < KSEL, other=-1)
+        tl.store(out_base + slots * stride_ok, row, mask=slots < KSEL)
+    else:
+        lo, hi = _lychee_row_extent(VALID + b64 * stride_mb, stride_mt, T, SCAN)
+        has = lo < hi
+        sb0 = lo // BS
+        sb1 = tl.where(has & (SINK > 0), (tl.minimum(lo + SINK, hi) - 1) // BS + 1, sb0)
+        lb0 = tl.maximum(hi - LOCAL, lo) // BS
+        lb1 = tl.where(has & (LOCAL > 0), (hi - 1) // BS + 1, lb0)
+        lse_row = tl.where(L > 0.0, Ms + tl.log2(tl.maximum(L, 1.1754943508222875e-38)), 0.0)
+        blse_base = BLSE + (seg.to(tl.int64) * G) * NB
+        key_base = KEYS + seg.to(tl.int64) * NB
+        # keys: fp32 bits of the block score (non-negative floats order like their bits), -1 if not a candidate
+        ncand = tl.zeros([], tl.int32)
+        offs_kc = tl.arange(0, KC)
+        for c in range(0, NB, KC):
+            blk = c + offs_kc
+            lse = tl.load(blse_base + gg[:, None] * NB + blk[None, :], mask=g_ok[:, None] & (blk < NB)[None, :],
+                          other=float("-inf"))
+            score = tl.sum(tl.exp2(lse - lse_row[:, None]), 0)
+            cand = (blk < NB) & (blk * BS < hi) & ((blk + 1) * BS > lo) & ((blk < sb0) | (blk >= sb1)) \\
+                & ((blk < lb0) | (blk >= lb1))
+            key = tl.where(cand, score.to(tl.int32, bitcast=True), -1)
+            tl.store(key_base + blk, key, mask=blk < NB)
+            ncand += tl.sum(cand.to(tl.int32), 0)
+        tl.debug_barrier()
+        if NB <= NBR:
+            # whole row in registers: 31 counting passes find the KSEL-th largest key exactly
+            blk = tl.arange(0, NBR)
+            keys = tl.load(key_base + blk, mask=blk < NB, other=-1)
+            thr = tl.zeros([], tl.int32)
+            for bit in tl.static_range(31):
+                trial = thr | (1 << (30 - bit))
+                cnt = tl.sum((keys >= trial).to(tl.int32), 0)
+                thr = tl.where(cnt >= KSEL, trial, thr)
+            take_all = ncand <= KSEL
+            gt = keys > thr
+            eq = (keys == thr).to(tl.int32)
+            need = KSEL - tl.sum(gt.to(tl.int32), 0)
+            rank = tl.cumsum(eq, 0) - eq
+            take = tl.where(take_all, keys >= 0, gt | ((eq != 0) & (rank < need)))
+            ti = take.to(tl.int32)
+            pos = tl.cumsum(ti, 0) - ti
+            tl.store(out_base + pos * stride_ok, blk, mask=take)
+            ntaken = tl.sum(ti, 0)
+        else:
+            thr = tl.zeros([], tl.int32)
+            for bit in tl.static_range(31):
+                trial = thr | (1 << (30 - bit))
+                cnt = tl.zeros([], tl.int32)
+                for c in range(0, NB, KC):
+                    blk = c + offs_kc
+                    keys = tl.load(key_base + blk, mask=blk < NB, other=-1)
+                    cnt += tl.sum((keys >= trial).to(tl.int32), 0)
+                thr = tl.where(cnt >= KSEL, trial, thr)
+            take_all = ncand <= KSEL
+            ngt = tl.zeros([], tl.int32)
+            for c in range(0, NB, KC):
+                blk = c + offs_kc
+                keys = tl.load(key_base + blk, mask=blk < NB, other=-1)
+                ngt += tl.sum((keys > thr).to(tl.int32), 0)
+            need = KSEL - ngt
+            eq_before = tl.zeros([], tl.int32)
+            ntaken = tl.zeros([], tl.int32)
+            for c in range(0, NB, KC):
+                blk = c + offs_kc
+                keys = tl.load(key_base + blk, mask=blk < NB, other=-1)
+                eq = (keys == thr).to(tl.int32)
+                rank = eq_before + tl.cumsum(eq, 0) - eq
+                take = tl.where(take_all, keys >= 0, (keys > thr) | ((eq != 0) & (rank < need)))
+                ti = take.to(tl.int32)
+                pos = ntaken + tl.cumsum(ti, 0) - ti
+                tl.store(out_base + pos * stride_ok, blk, mask=take)
+                eq_before += tl.sum(eq, 0)
+                ntaken += tl.sum(ti, 0)
+        tl.store(out_base + slots * stride_ok, tl.full([KP], -1, tl.int32), mask=(slots >= ntaken) & (slots < KSEL))
+''' + '''
+
+@triton.jit
+def _lychee_row_extent(VROW, stride_t, T, SCAN: tl.constexpr):
+    """First valid position lo and one past the last valid position hi of a row (lo == hi == 0 if none)."""
+    offs = tl.arange(0, SCAN)
+    lo = tl.zeros([], tl.int32) + T
+    start = tl.zeros([], tl.int32)
+    while (start < T) & (lo == T):
+        pos = start + offs
+        v = tl.load(VROW + pos * stride_t, mask=pos < T, other=0)
+        lo = tl.minimum(lo, tl.min(tl.where(v != 0, pos, T), 0))
+        start += SCAN
+    hi = tl.zeros([], tl.int32)
+    end = tl.zeros([], tl.int32) + T
+    while (end > 0) & (hi == 0):
+        pos = end - SCAN + offs
+        v = tl.load(VROW + pos * stride_t, mask=(pos >= 0) & (pos < T), other=0)
+        hi = tl.maximum(hi, tl.max(tl.where(v != 0, pos + 1, 0), 0))
+        end -= SCAN
+    lo = tl.where(hi == 0, 0, lo)
+    return lo, hi
+'''
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink_tokens: int, local_tokens: int,
+                  scale: float, num_splits: int, nb_hint: int, block_n: int = 64, nbr_max: int = 16384):
+    """Constexpr parameters shared by both kernels (a plain dict, hashable inputs only)."""
+    bs = int(block_size)
+    block_n = max(int(block_n), bs)
+    assert block_n % bs == 0, (block_n, bs)
+    g2 = _next_pow2(G)
+    common = dict(
+        G=G, GP=max(16, g2), G2=g2, HKV=Hkv, HKV_P=_next_pow2(Hkv), D=D, BS=bs, BLOCK_N=block_n,
+        KSEL=K_sel, KP=_next_pow2(max(K_sel, 1)), SINK=sink_tokens, LOCAL=local_tokens,
+        S_MAX=(-(-sink_tokens // bs) + 1) if sink_tokens > 0 else 0,
+        L_MAX=(-(-local_tokens // bs) + 1) if local_tokens > 0 else 0,
+        NUM_SPLITS=num_splits, SCAN=1024,
+    )
+    split = dict(common, QK_SCALE_LOG2=float(scale) * 1.4426950408889634, DOT_UPCAST=interpreting())
+    combine = dict(common, SC=max(1, 64 // g2), KC=max(16, min(1024, _next_pow2(nb_hint))),
+                   NBR=max(16, min(nbr_max, _next_pow2(nb_hint))))
+    return split, combine
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Standalone rendering: the same Jinja text as a plain @triton.jit kernel with explicit size / stride arguments.
+# ---------------------------------------------------------------------------------------------------------------
+
+SPLIT_TENSORS = {"Q": 4, "K": 4, "V": 4, "VALID": 2, "RETR": 1, "IDX": 3, "PM": 3, "PL": 3, "BLSE": 4}
+SPLIT_OUT = ("PACC", 4)
+COMBINE_TENSORS = {"PACC": 4, "PM": 3, "PL": 3, "BLSE": 4, "VALID": 2, "RETR": 1, "IDX": 3, "IDXO": 3, "KEYS": 3}
+COMBINE_OUT = ("OUT", 4)
+
+
+class _StandaloneRenderer:
+    def __init__(self, name, tensors, out, constexprs):
+        self.name, self.tensors, self.out, self.constexprs = name, tensors, out, constexprs
+        self.scalars: list[str] = []
+
+    def def_kernel(self, *names):
+        assert tuple(names) == tuple(self.tensors), names
+        return "<DEF_KERNEL>"
+
+    def _scalar(self, s):
+        if s not in self.scalars:
+            self.scalars.append(s)
+        return s
+
+    def size(self, name, index):
+        return self._scalar(f"size_{name}_{index}")
+
+    def stride(self, name, index=None):
+        if index is not None:
+            return self._scalar(f"stride_{name}_{index}")
+        return ", ".join(self._scalar(f"stride_{name}_{i}") for i in range(self.tensors[name]))
+
+    def store_output(self, indices, val, mask=None, indent_width=4, **_):
+        oname, rank = self.out
+        offs = " + ".join(f"({ix}) * {self._scalar(f'stride_{oname}_{i}')}" for i, ix in enumerate(indices))
+        m = f", mask={mask}" if mask else ""
+        return f"tl.store({oname} + {offs}, ({val}).to({oname}.dtype.element_ty){m})"
+
+    def render(self, source):
+        body = jinja2.Template(source).render(def_kernel=self.def_kernel, size=self.size, stride=self.stride,
+                                              store_output=self.store_output)
+        args = list(self.tensors) + [self.out[0]] + self.scalars
+        defines = "".join(f"    {k}: tl.constexpr = {v!r}\n" for k, v in sorted(self.constexprs.items()))
+        header = f"@triton.jit\ndef {self.name}({', '.join(args)}):\n" + defines
+        return body.replace("<DEF_KERNEL>", header.rstrip("\n"), 1), args
+
+
+_MODULE_DIR = os.path.join(tempfile.gettempdir(), f"lychee_kernels_{os.getuid() if hasattr(os, 'getuid') else 0}")
+
+
+@functools.lru_cache(maxsize=None)
+def _standalone(kind: str, constexpr_items: tuple):
+    constexprs = dict(constexpr_items)
+    if kind == "split":
+        r = _StandaloneRenderer("lychee_hybrid_split", SPLIT_TENSORS, SPLIT_OUT, constexprs)
+        src, args = r.render(SPLIT_SOURCE)
+    else:
+        r = _StandaloneRenderer("lychee_hybrid_combine", COMBINE_TENSORS, COMBINE_OUT, constexprs)
+        src, args = r.render(COMBINE_SOURCE)
+    text = "import triton\nimport triton.language as tl\n\n" + src
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    os.makedirs(_MODULE_DIR, exist_ok=True)
+    path = os.path.join(_MODULE_DIR, f"lychee_{kind}_{digest}.py")
+    if not os.path.exists(path):
+        tmp = path + f".{os.getpid()}.tmp"
+        with open(path + f".{os.getpid()}.tmp", "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    modname = f"_lychee_kernels_{kind}_{digest}"
+    if modname in sys.modules:
+        mod = sys.modules[modname]
+    else:
+        spec = importlib.util.spec_from_file_location(modname, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[modname] = mod
+        spec.loader.exec_module(mod)
+    return getattr(mod, r.name), args, text
+
+
+def render_standalone(kind: str, constexprs: dict):
+    """(jit function, argument names, module text) of one kernel configuration."""
+    return _standalone(kind, tuple(sorted(constexprs.items())))
+
+
+def _default_num_splits(device) -> int:
+    import torch
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def workspace(B, Hkv, G, D, T, block_size, num_splits, device):
+    import torch
+    nb = -(-T // block_size)
+    f32 = torch.float32
+    return dict(
+        PM=torch.empty(B * Hkv, num_splits, G, dtype=f32, device=device),
+        PL=torch.empty(B * Hkv, num_splits, G, dtype=f32, device=device),
+        BLSE=torch.empty(B, Hkv, G, nb, dtype=f32, device=device),
+        PACC=torch.empty(B * Hkv, num_splits, G, D, dtype=f32, device=device),
+        KEYS=torch.empty(B, Hkv, nb, dtype=torch.int32, device=device),
+    )
+
+
+def _launch(kernel, args, tensors, grid, num_warps, num_stages):
+    vals = []
+    for a in args:
+        if a in tensors:
+            vals.append(tensors[a])
+        elif a.startswith("size_"):
+            name, i = a[5:].rsplit("_", 1)
+            vals.append(tensors[name].shape[int(i)])
+        elif a.startswith("stride_"):
+            name, i = a[7:].rsplit("_", 1)
+            vals.append(tensors[name].stride(int(i)))
+        else:
+            raise KeyError(a)
+    kernel[grid](*vals, num_warps=num_warps, num_stages=num_stages)
+
+
+def hybrid_decode_triton(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
+                         num_splits=None, block_n=64, nbr_max=16384, ws=None, split_warps=4, split_stages=3,
+                         combine_warps=8):
+    """Standalone launcher of the two kernels (same source as the Inductor lowering). Returns (out, idx_out)."""
+    import torch
+    B, Hq, _, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    K_sel = idx_in.shape[-1]
+    if num_splits is None:
+        num_splits = _default_num_splits(q.device)
+    nb = -(-T // block_size)
+    sp, cp = kernel_params(G=G, Hkv=Hkv, D=D, K_sel=K_sel, block_size=block_size, sink_tokens=sink_tokens,
+                           local_tokens=local_tokens, scale=float(scale), num_splits=num_splits, nb_hint=nb,
+                           block_n=block_n, nbr_max=nbr_max)
+    if ws is None:
+        ws = workspace(B, Hkv, G, D, T, block_size, num_splits, q.device)
+    out = torch.empty_like(q)
+    idx_out = torch.empty_like(idx_in)
+    valid8 = valid.to(torch.int8)
+    retr8 = retrieval.to(torch.int8)
+    ks, kargs, _ = render_standalone("split", sp)
+    t = dict(Q=q, K=k, V=v, VALID=valid8, RETR=retr8, IDX=idx_in, **ws)
+    _launch(ks, kargs, t, (num_splits,), split_warps, split_stages)
+    kc, cargs, _ = render_standalone("combine", cp)
+    t2 = dict(PACC=ws["PACC"], PM=ws["PM"], PL=ws["PL"], BLSE=ws["BLSE"], VALID=valid8, RETR=retr8, IDX=idx_in,
+              IDXO=idx_out, KEYS=ws["KEYS"], OUT=out)
+    _launch(kc, cargs, t2, (B * Hkv,), combine_warps, 1)
+    return out, idx_out
