@@ -240,15 +240,19 @@ COMBINE_SOURCE = '''
     M = tl.full([G2], float("-inf"), tl.float32)
     for c in range(0, nslot, SC):
         sl = c + offs_c
+        sp = s0 + sl  # a split with an empty slice (W < NUM_SPLITS) wrote nothing: skip its slot
+        live = (sl < nslot) & ((sp * W) // NUM_SPLITS < ((sp + 1) * W) // NUM_SPLITS)
         prow = (seg * NUM_SPLITS + sl)[:, None] * G + gg[None, :]
-        pm = tl.load(PM + prow, mask=(sl < nslot)[:, None] & g_ok[None, :], other=float("-inf"))
+        pm = tl.load(PM + prow, mask=live[:, None] & g_ok[None, :], other=float("-inf"))
         M = tl.maximum(M, tl.max(pm, 0))
     Ms = tl.where(M == float("-inf"), 0.0, M)
     L = tl.zeros([G2], tl.float32)
     acc = tl.zeros([G2, D], tl.float32)
     for c in range(0, nslot, SC):
         sl = c + offs_c
-        pmask = (sl < nslot)[:, None] & g_ok[None, :]
+        sp = s0 + sl
+        live = (sl < nslot) & ((sp * W) // NUM_SPLITS < ((sp + 1) * W) // NUM_SPLITS)
+        pmask = live[:, None] & g_ok[None, :]
         prow = (seg * NUM_SPLITS + sl)[:, None] * G + gg[None, :]
         pm = tl.load(PM + prow, mask=pmask, other=float("-inf"))
         pl = tl.load(PL + prow, mask=pmask, other=0.0)
