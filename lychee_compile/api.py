@@ -10,6 +10,7 @@ Order of work, so that bad input never leaves a half-changed model:
 from __future__ import annotations
 
 import os
+import types
 
 import torch
 
@@ -24,9 +25,10 @@ _STATE_ATTR = "_lychee_state"
 class LycheeState:
     """What lychee_compile attaches to a model: its config, effective head map, counters and backend."""
 
-    def __init__(self, config, head_map, retrieval, global_layers, counters, backend):
+    def __init__(self, config, head_map, retrieval, global_layers, counters, backend, snapshots):
         self.config, self.head_map, self.retrieval = config, head_map, retrieval
         self.global_layers, self.counters, self.backend = global_layers, counters, backend
+        self.snapshots = snapshots     # graph_snapshot() text of each rewritten decode graph
 
 
 def lychee_compile(model, head_map, config: LycheeConfig | None = None):
@@ -43,9 +45,11 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     global_layers = probe_global_layers(model, config)
     retrieval = head_map.effective(global_layers)
     counters = Counters()
-    backend = make_backend(model, config, retrieval, counters, head_map.digest())
+    snapshots: list[str] = []
+    backend = make_backend(model, config, retrieval, counters, head_map.digest(), snapshots)
     _install(model, backend)
-    setattr(model, _STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend))
+    setattr(model, _STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend,
+                                            snapshots))
     return model
 
 
@@ -89,11 +93,15 @@ def probe_global_layers(model, config: LycheeConfig) -> list[int]:
         return gm.forward
 
     from transformers import CompileConfig
-    compile_config = CompileConfig(backend=probe_backend, fullgraph=True, mode=None, dynamic=False)
+    compile_config = CompileConfig(backend=probe_backend, fullgraph=True, mode=None)
     compile_config._compile_all_devices = True
     ids = torch.ones(1, 2, dtype=torch.long, device=model.device)
     saved = dict(model.__dict__)
     try:
+        # generate() compiles through get_compiled_call; give it a call of its own so the probe's Dynamo cache
+        # entry lands on a fresh code object instead of HF's shared wrapper (whose recompile limit users need).
+        model.get_compiled_call = lambda _config: torch.compile(_fresh_call(model), backend=probe_backend,
+                                                                fullgraph=True)
         with torch.no_grad():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
                            do_sample=False, cache_implementation="static", compile_config=compile_config,
@@ -111,6 +119,12 @@ def probe_global_layers(model, config: LycheeConfig) -> list[int]:
     return sorted(s.layer_idx for s in decode[0].sites if s.kind == "global")
 
 
+def _fresh_call(model):
+    def call(*args, **kwargs):
+        return model(*args, **kwargs)
+    return types.FunctionType(call.__code__.replace(), call.__globals__, "lychee_probe_call", None, call.__closure__)
+
+
 def _unwrap(exc: BaseException) -> BaseException:
     inner = exc
     while inner is not None and not isinstance(inner, (LycheeCompileError, HeadMapError, LycheeConfigError)):
@@ -120,7 +134,9 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 def _install(model, backend) -> None:
     from transformers import CompileConfig
-    compile_config = CompileConfig(backend=backend, fullgraph=True, mode=None, dynamic=False)
+    # dynamic=None (HF's default): a second compile may make sizes symbolic, which the passes and ops handle;
+    # dynamic=False would recompile at every step on caches that guard on a Python int (HF's sliding layers).
+    compile_config = CompileConfig(backend=backend, fullgraph=True, mode=None, dynamic=None)
     # HF auto-compiles generate() only on accelerators unless this flag is set; we want the rewrite everywhere.
     compile_config._compile_all_devices = True
     model.generation_config.cache_implementation = "static"

@@ -47,6 +47,7 @@ def _rewrite(ctx: PassContext, site: Site) -> None:
         graph.call_function(operator.getitem, (op, 1))
     for node in (valid, kinds, op, out):
         node.meta["nn_module_stack"] = site.output.meta.get("nn_module_stack", {})
+    op.meta["lychee_layer"] = site.layer_idx
     site.output.replace_all_uses_with(out)
     site.op_node = op
     _erase_matched(ctx, site)

@@ -1,0 +1,36 @@
+"""Test-side helpers: run generate() and compare logits step by step."""
+from __future__ import annotations
+
+import torch
+
+from lychee_compile import HeadMap, LycheeConfig, lychee_compile
+from lychee_compile.api import state_of
+from tests.models import make, make_batch
+
+EXACT_TOL = 1e-4
+
+
+def generate_logits(model, input_ids, attention_mask, steps: int):
+    """Greedy generate with a static cache; returns (sequences, logits [steps, B, vocab])."""
+    with torch.no_grad():
+        out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=steps, min_new_tokens=steps,
+                             do_sample=False, cache_implementation="static", output_logits=True,
+                             return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits)
+
+
+def max_logit_diff(a, b) -> float:
+    return (a - b).abs().max().item()
+
+
+def batch(batch_size: int, lengths=(12, 7)):
+    return make_batch(lengths=lengths[:batch_size])
+
+
+def compiled(arch, attn, retrieval=None, **config):
+    """A fresh tiny model of `arch` through lychee_compile (eager FX backend unless config says otherwise)."""
+    model = make(arch, attn)
+    head_map = HeadMap.for_model(model) if retrieval is None else HeadMap(retrieval).with_model_metadata(model)
+    config.setdefault("backend", "eager")
+    lychee_compile(model, head_map, LycheeConfig(**config))
+    return model, state_of(model)

@@ -1,0 +1,110 @@
+"""An independent, deliberately plain re-implementation of the spine's semantics, for tests only.
+
+It does not import lychee_compile: it is written from the issue's text, loops over rows and heads, and plugs into
+transformers as an attention function ("lychee_semantics") so an uncompiled model runs the semantics directly.
+
+    Retrieval head (first global layer, or retrieval[l, h]): full attention over valid positions; token score =
+      sum over the G query heads of softmax probs; block score = sum of its valid tokens' scores; candidates = valid
+      blocks that are neither sink nor local; select top ceil(budget/bs) by score, ties to the lower block.
+    Sparse head: attention over valid tokens of S[l'][h] (previous global layer) plus sink and local blocks;
+      S[l][h] = S[l'][h].
+    Sink blocks: blocks of the first sink_tokens valid positions; local: of the last local_tokens valid positions.
+    Prefill and non-global layers: dense.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+NAME = "lychee_semantics"
+
+
+class Semantics:
+    def __init__(self, retrieval, global_layers, budget, block_size, sink_tokens, local_tokens):
+        self.retrieval = retrieval.tolist()
+        self.global_layers = list(global_layers)
+        self.k = math.ceil(budget / block_size)
+        self.bs, self.sink, self.local = block_size, sink_tokens, local_tokens
+        self.selection = {}     # (row, kv head) -> list of selected blocks of the previous global layer
+        self.decode_calls = 0
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        B, Hq, L, D = query.shape
+        Hkv, T = key.shape[1], key.shape[2]
+        G = Hq // Hkv
+        scale = scaling if scaling is not None else D ** -0.5
+        layer = module.layer_idx
+        out = torch.zeros(B, Hq, L, D, dtype=torch.float32)
+        for b in range(B):
+            for i in range(L):
+                allowed = self._allowed(attention_mask, b, i, L, T)
+                for h in range(Hkv):
+                    qs = [query[b, h * G + g, i].float() for g in range(G)]
+                    if L > 1 or layer not in self.global_layers:
+                        attend = allowed
+                    else:
+                        attend = self._decode_head(layer, b, h, qs, key[b, h].float(), allowed, scale)
+                    for g in range(G):
+                        out[b, h * G + g, i] = _attend(qs[g], key[b, h].float(), value[b, h].float(), attend, scale)
+        if L == 1 and layer in self.global_layers:
+            self.decode_calls += 1
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    @staticmethod
+    def _allowed(mask, b, i, L, T):
+        if mask is None:  # causal, the queries are the last L positions
+            return [t for t in range(T) if t <= T - L + i]
+        row = mask[b if mask.shape[0] > 1 else 0, 0, i]
+        if row.dtype == torch.bool:
+            return [t for t in range(T) if bool(row[t])]
+        return [t for t in range(T) if float(row[t]) == 0.0]
+
+    def _decode_head(self, layer, b, h, qs, keys, valid, scale):
+        bs = self.bs
+        sink_blocks = {t // bs for t in valid[:self.sink]}
+        local_blocks = {t // bs for t in valid[len(valid) - self.local:]} if self.local > 0 else set()
+        is_retrieval = layer == self.global_layers[0] or self.retrieval[layer][h]
+        if is_retrieval:
+            token_score = {t: 0.0 for t in valid}
+            for q in qs:
+                logits = [float(q @ keys[t]) * scale for t in valid]
+                m = max(logits)
+                e = [math.exp(x - m) for x in logits]
+                z = sum(e)
+                for t, x in zip(valid, e):
+                    token_score[t] += x / z
+            block_score = {}
+            for t in valid:
+                block_score[t // bs] = block_score.get(t // bs, 0.0) + token_score[t]
+            candidates = [blk for blk in sorted(block_score) if blk not in sink_blocks and blk not in local_blocks]
+            ranked = sorted(candidates, key=lambda blk: (-block_score[blk], blk))
+            self.selection[(b, h)] = sorted(ranked[:self.k])
+            return valid
+        keep = set(self.selection[(b, h)]) | sink_blocks | local_blocks
+        return [t for t in valid if t // bs in keep]
+
+
+def _attend(q, keys, values, positions, scale):
+    logits = torch.stack([q @ keys[t] for t in positions]) * scale
+    p = torch.softmax(logits, dim=0)
+    return (p[:, None] * values[positions]).sum(0)
+
+
+def register(semantics: Semantics) -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(NAME, semantics)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def global_layers_of(config, cache_len: int) -> list[int]:
+    """Global per the spine: layer_types says full, or no window, or the window is at least the cache length."""
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    out = []
+    for layer in range(config.num_hidden_layers):
+        windowed = ("sliding" in layer_types[layer]) if layer_types is not None else window is not None
+        if not windowed or (window is not None and window > cache_len):
+            out.append(layer)
+    return out
