@@ -506,7 +506,7 @@ def workspace(B, Hkv, G, D, T, block_size, num_splits, device):
     )
 
 
-def _launch(kernel, args, tensors, grid, num_warps, num_stages):
+def _arg_values(args, tensors):
     vals = []
     for a in args:
         if a in tensors:
@@ -519,13 +519,14 @@ def _launch(kernel, args, tensors, grid, num_warps, num_stages):
             vals.append(tensors[name].stride(int(i)))
         else:
             raise KeyError(a)
-    kernel[grid](*vals, num_warps=num_warps, num_stages=num_stages)
+    return vals
 
 
-def hybrid_decode_triton(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
-                         num_splits=None, block_n=64, nbr_max=16384, ws=None, split_warps=4, split_stages=3,
-                         combine_warps=8):
-    """Standalone launcher of the two kernels (same source as the Inductor lowering). Returns (out, idx_out)."""
+def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, out=None,
+                   idx_out=None, num_splits=None, block_n=64, nbr_max=16384, ws=None, split_warps=4,
+                   split_stages=3, combine_warps=8):
+    """Bind both kernels to fixed buffers: returns (split(), combine(), out, idx_out). Nothing is allocated per
+    call, so the pair can be captured in a CUDA graph."""
     import torch
     B, Hq, _, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
@@ -539,15 +540,56 @@ def hybrid_decode_triton(q, k, v, valid, retrieval, idx_in, scale, block_size, s
                            block_n=block_n, nbr_max=nbr_max)
     if ws is None:
         ws = workspace(B, Hkv, G, D, T, block_size, num_splits, q.device)
-    out = torch.empty_like(q)
-    idx_out = torch.empty_like(idx_in)
+    out = torch.empty_like(q) if out is None else out
+    idx_out = torch.empty_like(idx_in) if idx_out is None else idx_out
     valid8 = valid.to(torch.int8)
     retr8 = retrieval.to(torch.int8)
     ks, kargs, _ = render_standalone("split", sp)
-    t = dict(Q=q, K=k, V=v, VALID=valid8, RETR=retr8, IDX=idx_in, **ws)
-    _launch(ks, kargs, t, (num_splits,), split_warps, split_stages)
     kc, cargs, _ = render_standalone("combine", cp)
-    t2 = dict(PACC=ws["PACC"], PM=ws["PM"], PL=ws["PL"], BLSE=ws["BLSE"], VALID=valid8, RETR=retr8, IDX=idx_in,
-              IDXO=idx_out, KEYS=ws["KEYS"], OUT=out)
-    _launch(kc, cargs, t2, (B * Hkv,), combine_warps, 1)
+    v1 = _arg_values(kargs, dict(Q=q, K=k, V=v, VALID=valid8, RETR=retr8, IDX=idx_in, **ws))
+    v2 = _arg_values(cargs, dict(PACC=ws["PACC"], PM=ws["PM"], PL=ws["PL"], BLSE=ws["BLSE"], VALID=valid8,
+                                 RETR=retr8, IDX=idx_in, IDXO=idx_out, KEYS=ws["KEYS"], OUT=out))
+
+    def split():
+        ks[(num_splits,)](*v1, num_warps=split_warps, num_stages=split_stages)
+
+    def combine():
+        kc[(B * Hkv,)](*v2, num_warps=combine_warps, num_stages=1)
+
+    return split, combine, out, idx_out
+
+
+def hybrid_decode_triton(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, **kw):
+    """Standalone launcher of the two kernels (same source as the Inductor lowering). Returns (out, idx_out)."""
+    split, combine, out, idx_out = make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size,
+                                                  sink_tokens, local_tokens, **kw)
+    split()
+    combine()
     return out, idx_out
+
+
+def cross_compile(kind: str, constexprs: dict, dtype: str = "bf16", num_warps: int = 4, num_stages: int = 3,
+                  arch: int = 90):
+    """Compile one kernel configuration for CUDA sm_`arch` without a GPU (triton's bundled ptxas). Returns the
+    CompiledKernel (asm["ptx"], asm["cubin"], n_regs, n_spills). Must run without TRITON_INTERPRET."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    fn, args, _ = render_standalone(kind, dict(constexprs, DOT_UPCAST=False) if kind == "split" else constexprs)
+    ptr_types = {"Q": dtype, "K": dtype, "V": dtype, "VALID": "i8", "RETR": "i8", "IDX": "i32", "IDXO": "i32",
+                 "KEYS": "i32", "PM": "fp32", "PL": "fp32", "BLSE": "fp32", "PACC": "fp32", "OUT": dtype}
+    signature, consts, attrs = {}, {}, {}
+    rank = dict(SPLIT_TENSORS if kind == "split" else COMBINE_TENSORS)
+    rank.update(dict([SPLIT_OUT if kind == "split" else COMBINE_OUT]))
+    for i, a in enumerate(args):
+        if a in ptr_types:
+            signature[a] = "*" + ptr_types[a]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif a.startswith("stride_") and a.endswith(f"_{rank[a[7:].rsplit('_', 1)[0]] - 1}"):
+            signature[a] = "constexpr"   # innermost stride 1, as the runtime specialises it
+            consts[a] = 1
+        else:
+            signature[a] = "i32"
+    src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps,
+                                                                                    num_stages=num_stages))

@@ -1,0 +1,366 @@
+"""Issue 4 benchmark: one layer of hybrid decode attention, Llama-3-8B shapes (32 q / 8 KV heads, d=128, bf16).
+
+Run on a CUDA machine:  PYTHONUNBUFFERED=1 python benchmarks/attention_bench.py --out DIR [--quick]
+
+1. Correctness first: random bf16 inputs (fresh per check, never zeros), outputs poisoned (NaN / -7) before the run,
+   every element must be written; out vs the eager reference (fp32 math) by relative L2 norm; idx_out identical
+   except where the reference's block scores tie at the threshold.
+2. Timing: median of CUDA-graph replays (each replay runs many calls back to back, rotating over enough input sets
+   that each call's bytes are out of L2), for
+     ours        the two Triton kernels (split + combine/select) from lychee_compile/lowering/template.py
+     cudnn/flash F.scaled_dot_product_attention over the valid length, enable_gqa=True, one backend forced
+     gather      PyTorch hybrid: SDPA over retrieval heads' full cache + gather of the sparse heads' tokens + SDPA
+                 (attention only: no block scores, no selection)
+     floor       bytes each must move / device-to-device copy bandwidth measured in the same run
+Writes results.json and results.png to --out and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from lychee_compile.lowering.template import make_launchers, workspace  # noqa: E402
+from lychee_compile.ops.reference import hybrid_decode_reference, masked_softmax, block_sum  # noqa: E402
+from lychee_compile.ops.index_state import empty_index_state  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+G = HQ // HKV
+BS, SINK, LOCAL = 16, 16, 64
+L2_BYTES = 50 * 2 ** 20
+
+
+def rand(*shape, device="cuda", dtype=torch.bfloat16):
+    return torch.randn(*shape, device=device, dtype=torch.float32).to(dtype)
+
+
+def random_index(B, T, K, device):
+    """Distinct sorted blocks per (row, head), outside sink/local blocks (all rows fully valid here)."""
+    nb = -(-T // BS)
+    lo_blk = -(-SINK // BS)
+    hi_blk = (T - LOCAL) // BS
+    cand = torch.arange(lo_blk, hi_blk, device=device)
+    idx = torch.empty(B, HKV, K, dtype=torch.int32, device=device)
+    for b in range(B):
+        for h in range(HKV):
+            perm = cand[torch.randperm(len(cand), device=device)[:K]]
+            idx[b, h] = torch.sort(perm).values.to(torch.int32)
+    return idx
+
+
+def measure_copy_bw():
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    a.random_(0, 255)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(20):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e-3)
+    t = statistics.median(ts)
+    del a, b
+    return 2 * n / t
+
+
+def time_calls(calls, reps=15, min_calls=24):
+    """Median ms per call: calls is a list of zero-arg closures (one per input set); a CUDA graph runs them round
+    robin `per_graph` times; replays timed with events."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    per_graph = max(min_calls, len(calls))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(per_graph):
+            calls[i % len(calls)]()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) / per_graph)
+    del g
+    return statistics.median(ts)
+
+
+def n_sets_for(bytes_touched, cap=12):
+    return max(1, min(cap, math.ceil(4 * L2_BYTES / max(bytes_touched, 1))))
+
+
+# ------------------------------------------------------------------------------------------------ correctness
+def ref_block_scores(q, k, valid, scale):
+    B = q.shape[0]
+    T = k.shape[2]
+    nb = -(-T // BS)
+    s = torch.einsum("bhgd,bhtd->bhgt", q.float().reshape(B, k.shape[1], -1, q.shape[-1]), k.float()) * scale
+    return block_sum(masked_softmax(s, valid[:, None, None, :]).sum(2), BS, nb)
+
+
+def check_once(B, Hkv, Gq, Dh, T, K, retr, pads, dtype=torch.bfloat16, **kw):
+    dev = "cuda"
+    q, k, v = rand(B, Hkv * Gq, 1, Dh, dtype=dtype), rand(B, Hkv, T, Dh, dtype=dtype), rand(B, Hkv, T, Dh, dtype=dtype)
+    valid = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    for b, (lo, hi) in enumerate(pads):
+        valid[b, lo:hi] = True
+    retrieval = torch.tensor(retr, dtype=torch.bool, device=dev)
+    q0 = rand(B, Hkv * Gq, 1, Dh, dtype=dtype)
+    _, idx_in = hybrid_decode_reference(q0, k, v, valid, torch.ones(Hkv, dtype=torch.bool, device=dev),
+                                        empty_index_state(B, Hkv, K, dev), Dh ** -0.5, BS, SINK, LOCAL)
+    out = torch.full_like(q, float("nan"))
+    idx_out = torch.full_like(idx_in, -7)
+    split, combine, out, idx_out = make_launchers(q, k, v, valid, retrieval, idx_in, Dh ** -0.5, BS, SINK, LOCAL,
+                                                  out=out, idx_out=idx_out, **kw)
+    split()
+    combine()
+    torch.cuda.synchronize()
+    ref_out, ref_idx = hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, Dh ** -0.5, BS, SINK, LOCAL)
+    ok_written = bool(torch.isfinite(out.float()).all()) and bool((idx_out >= -1).all())
+    err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
+    mism = (idx_out != ref_idx)
+    idx_ok = True
+    n_mism_rows = 0
+    if mism.any():
+        sc = ref_block_scores(q, k, valid, Dh ** -0.5)
+        for b, h in mism.any(-1).nonzero().tolist():
+            n_mism_rows += 1
+            a = set(idx_out[b, h].tolist()) - {-1}
+            r = set(ref_idx[b, h].tolist()) - {-1}
+            diff = sorted(a ^ r)
+            if len(a) != len(r) or not retr[h] or any(x < 0 or x >= sc.shape[-1] for x in diff):
+                idx_ok = False
+                continue
+            vals = sc[b, h, diff]
+            if (vals.max() - vals.min()).item() > 1e-5 * vals.abs().max().item():
+                idx_ok = False
+    res = dict(B=B, Hkv=Hkv, G=Gq, D=Dh, T=T, K=K, dtype=str(dtype), written=ok_written, rel_err=err,
+               idx_ok=idx_ok, idx_mismatch_rows=n_mism_rows, passed=ok_written and err < 1e-2 and idx_ok)
+    print("check", res, flush=True)
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ benchmark
+def bench_config(T, B, n_retr, budget, bw, variants=None, time_baselines=True, cache=None):
+    dev = "cuda"
+    K = budget // BS
+    scale = D ** -0.5
+    kv_bytes_full = B * HKV * T * D * 2 * 2
+    sparse_tok = (K + (-(-SINK // BS) + 1) + (-(-LOCAL // BS) + 1)) * BS
+    ours_bytes = B * D * 2 * 2 * (n_retr * T + (HKV - n_retr) * min(sparse_tok, T))
+    n_sets = n_sets_for(ours_bytes)
+    free = torch.cuda.mem_get_info()[0]
+    n_sets = max(1, min(n_sets, int(0.5 * free // (kv_bytes_full + 1))))
+    sets = []
+    for _ in range(n_sets):
+        q = rand(B, HQ, 1, D)
+        k = rand(B, HKV, T, D)
+        v = rand(B, HKV, T, D)
+        sets.append((q, k, v))
+    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+    retrieval = torch.zeros(HKV, dtype=torch.bool, device=dev)
+    retrieval[:n_retr] = True
+    idx_in = random_index(B, T, K, dev)
+    row = dict(T=T, B=B, n_retr=n_retr, share=n_retr / HKV, budget=budget, n_sets=n_sets,
+               ours_bytes=ours_bytes, dense_bytes=kv_bytes_full)
+    row["floor_ours_ms"] = ours_bytes / bw * 1e3
+    row["floor_dense_ms"] = kv_bytes_full / bw * 1e3
+    variants = variants or {"ours": {}}
+    for name, kw in variants.items():
+        launchers = []
+        ws = workspace(B, HKV, G, D, T, BS, kw.get("num_splits") or 2 * torch.cuda.get_device_properties(0).multi_processor_count, dev)
+        for (q, k, v) in sets:
+            launchers.append(make_launchers(q, k, v, valid, retrieval, idx_in, scale, BS, SINK, LOCAL, ws=ws, **kw))
+        row[f"{name}_ms"] = time_calls([(lambda s=s, c=c: (s(), c())) for s, c, _, _ in launchers])
+        if name == "ours":
+            row["ours_split_ms"] = time_calls([s for s, _, _, _ in launchers])
+            row["ours_combine_ms"] = time_calls([c for _, c, _, _ in launchers])
+    if time_baselines:
+        key = (T, B)
+        if cache is not None and key in cache:
+            row.update(cache[key])
+        else:
+            base = {}
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            for bname, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+                try:
+                    def mk(q, k, v, backend=backend):
+                        def f():
+                            with sdpa_kernel(backend):
+                                F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+                        return f
+                    base[f"{bname}_ms"] = time_calls([mk(*s) for s in sets])
+                except Exception as e:  # noqa: BLE001
+                    base[f"{bname}_ms"] = None
+                    base[f"{bname}_error"] = repr(e)[:300]
+            if cache is not None:
+                cache[key] = base
+            row.update(base)
+        # PyTorch gather + SDPA hybrid (attention only)
+        nb = -(-T // BS)
+        sink_b = torch.arange(0, -(-SINK // BS), device=dev)
+        loc_b = torch.arange((T - LOCAL) // BS, nb, device=dev)
+        blocks = torch.cat([sink_b[None, None].expand(B, HKV - n_retr, -1), idx_in[:, n_retr:].long(),
+                            loc_b[None, None].expand(B, HKV - n_retr, -1)], -1)
+        tok = (blocks[..., None] * BS + torch.arange(BS, device=dev)).flatten(-2).clamp_max(T - 1)
+        tokx = tok[..., None].expand(-1, -1, -1, D)
+
+        def mkg(q, k, v):
+            def f():
+                outs = []
+                if n_retr:
+                    outs.append(F.scaled_dot_product_attention(q[:, :n_retr * G], k[:, :n_retr], v[:, :n_retr],
+                                                               scale=scale, enable_gqa=True))
+                if n_retr < HKV:
+                    ks = torch.gather(k[:, n_retr:], 2, tokx)
+                    vs = torch.gather(v[:, n_retr:], 2, tokx)
+                    outs.append(F.scaled_dot_product_attention(q[:, n_retr * G:], ks, vs, scale=scale,
+                                                               enable_gqa=True))
+                return torch.cat(outs, 1)
+            return f
+        try:
+            row["gather_ms"] = time_calls([mkg(*s) for s in sets])
+        except Exception as e:  # noqa: BLE001
+            row["gather_ms"] = None
+            row["gather_error"] = repr(e)[:300]
+    row["ours_pct_of_floor"] = 100 * row["floor_ours_ms"] / row["ours_ms"]
+    if row.get("cudnn_ms"):
+        row["speedup_vs_cudnn"] = row["cudnn_ms"] / row["ours_ms"]
+    row["combine_share"] = row["ours_combine_ms"] / row["ours_ms"]
+    del sets
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="time kernel variants on the headline configs")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.time()
+    prop = torch.cuda.get_device_properties(0)
+    import triton
+    meta = dict(device=prop.name, sms=prop.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), argv=sys.argv)
+    print(meta, flush=True)
+    results = dict(meta=meta, checks=[], rows=[], tune=[])
+    torch.manual_seed(0)
+    if not args.skip_check:
+        for c in [
+            dict(B=1, Hkv=8, Gq=4, Dh=128, T=16384, K=256, retr=[True, True] + [False] * 6, pads=[(0, 16384)]),
+            dict(B=2, Hkv=8, Gq=4, Dh=128, T=8192 + 77, K=128, retr=[False, True, False, False, True, False, False, True],
+                 pads=[(0, 8269), (1234, 8269)]),
+            dict(B=2, Hkv=4, Gq=1, Dh=64, T=4000, K=64, retr=[True, False, True, False], pads=[(0, 4000), (17, 3990)]),
+            dict(B=1, Hkv=2, Gq=3, Dh=256, T=5000, K=64, retr=[True, False], pads=[(100, 5000)]),
+            dict(B=2, Hkv=2, Gq=7, Dh=128, T=3000, K=32, retr=[False, True], pads=[(0, 3000), (500, 2900)]),
+            dict(B=1, Hkv=2, Gq=8, Dh=128, T=6000, K=64, retr=[True, False], pads=[(0, 6000)], dtype=torch.float16),
+            dict(B=1, Hkv=8, Gq=4, Dh=128, T=131072, K=256, retr=[True, True] + [False] * 6, pads=[(0, 131072)]),
+            dict(B=1, Hkv=8, Gq=4, Dh=128, T=20000, K=128, retr=[True] * 8, pads=[(0, 20000)], nbr_max=256),
+        ]:
+            results["checks"].append(check_once(**c))
+        print("all checks passed:", all(c["passed"] for c in results["checks"]), flush=True)
+    bw = measure_copy_bw()
+    results["meta"]["copy_bw_TBps"] = bw / 1e12
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    sms = prop.multi_processor_count
+    if args.tune:
+        variants = {
+            "ours": {},
+            "splits1x": dict(num_splits=sms),
+            "splits4x": dict(num_splits=4 * sms),
+            "bn128": dict(block_n=128),
+            "w8": dict(split_warps=8),
+            "st2": dict(split_stages=2),
+            "st4": dict(split_stages=4),
+        }
+        for T, B, nr, bud in [(131072, 1, 2, 4096), (131072, 1, 1, 4096)]:
+            r = bench_config(T, B, nr, bud, bw, variants=variants, time_baselines=False)
+            print("tune", json.dumps(r), flush=True)
+            results["tune"].append(r)
+    ctxs = [16384, 32768, 65536, 131072]
+    batches = [1, 2, 4]
+    shares = [1, 2, 4]
+    budgets = [1024, 2048, 4096]
+    if args.quick:
+        grid = [(131072, 1, 2, 4096), (131072, 1, 1, 4096), (32768, 2, 2, 2048), (16384, 4, 4, 1024)]
+    else:
+        grid = [(T, B, nr, bud) for T in ctxs for B in batches for nr in shares for bud in budgets]
+    cache = {}
+    for T, B, nr, bud in grid:
+        r = bench_config(T, B, nr, bud, bw, cache=cache)
+        results["rows"].append(r)
+        print(f"T={T:6d} B={B} retr={nr}/8 budget={bud}: ours {r['ours_ms']:.4f} ms ({r['ours_pct_of_floor']:.0f}% "
+              f"of floor {r['floor_ours_ms']:.4f}) split {r['ours_split_ms']:.4f} combine {r['ours_combine_ms']:.4f} "
+              f"| cudnn {r.get('cudnn_ms')} flash {r.get('flash_ms')} gather {r.get('gather_ms')} "
+              f"| x{r.get('speedup_vs_cudnn', float('nan')):.2f} vs cudnn  [{time.time() - t_start:.0f}s]", flush=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    try:
+        plot(results, os.path.join(args.out, "results.png"))
+    except Exception as e:  # noqa: BLE001
+        print("plot failed", e)
+    print("\nT       B  retr budget | ours_ms  %floor  split  combine | cudnn_ms flash_ms gather_ms | x_cudnn")
+    for r in results["rows"]:
+        f = lambda x: f"{x:.4f}" if isinstance(x, float) else str(x)  # noqa: E731
+        print(f"{r['T']:6d} {r['B']} {r['n_retr']}/8 {r['budget']:5d} | {f(r['ours_ms'])} {r['ours_pct_of_floor']:5.0f}% "
+              f"{f(r['ours_split_ms'])} {f(r['ours_combine_ms'])} | {f(r.get('cudnn_ms'))} {f(r.get('flash_ms'))} "
+              f"{f(r.get('gather_ms'))} | {r.get('speedup_vs_cudnn', float('nan')):.2f}")
+    print(f"total {time.time() - t_start:.0f}s")
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in results["rows"] if r["budget"] == 4096]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), sharey=False)
+    for ax, B in zip(axes, [1, 2, 4]):
+        for nr, style in [(1, "-"), (2, "--"), (4, ":")]:
+            rs = sorted([r for r in rows if r["B"] == B and r["n_retr"] == nr], key=lambda r: r["T"])
+            if rs:
+                ax.plot([r["T"] for r in rs], [r["ours_ms"] for r in rs], "o" + style, label=f"ours {nr}/8 retr")
+        rs = sorted({r["T"]: r for r in rows if r["B"] == B}.values(), key=lambda r: r["T"])
+        for key, lab in [("cudnn_ms", "cuDNN dense"), ("flash_ms", "flash dense"), ("floor_dense_ms", "dense floor")]:
+            if rs and all(r.get(key) for r in rs):
+                ax.plot([r["T"] for r in rs], [r[key] for r in rs], "s-", label=lab, alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"batch {B}, budget 4096")
+        ax.set_xlabel("context")
+        ax.set_ylabel("ms per layer")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"hybrid decode, Llama-3-8B attention, {results['meta']['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
