@@ -86,6 +86,8 @@ class Semantics:
 
 
 def _attend(q, keys, values, positions, scale):
+    if not positions:   # a pad query in prefill: nothing allowed, and no real token ever reads its output
+        return torch.zeros(values.shape[-1])
     logits = torch.stack([q @ keys[t] for t in positions]) * scale
     p = torch.softmax(logits, dim=0)
     return (p[:, None] * values[positions]).sum(0)
