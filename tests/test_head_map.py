@@ -1,0 +1,47 @@
+"""HeadMap: save/load round trip with metadata, validation, the first-global-layer and sliding-row warnings."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lychee_compile import HeadMap, HeadMapError
+from lychee_compile.head_map import HeadMapWarning
+from tests.models import make
+
+
+def test_save_load_round_trip(tmp_path):
+    model = make("llama")
+    hm = HeadMap.for_model(model, layers=[0, 2], method="test", budget="1024")
+    hm.save(tmp_path / "m.safetensors")
+    back = HeadMap.load(tmp_path / "m.safetensors")
+    assert torch.equal(back.retrieval, hm.retrieval) and back.metadata == hm.metadata
+    assert back.metadata["architecture"] == "LlamaForCausalLM" and back.metadata["method"] == "test"
+    back.validate_for(model, strict=True)
+    assert back.digest() == hm.digest()
+
+
+def test_truncated_and_foreign_files(tmp_path):
+    model = make("llama")
+    HeadMap.for_model(model).save(tmp_path / "m.safetensors")
+    blob = (tmp_path / "m.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(blob[: len(blob) // 2])
+    (tmp_path / "text.safetensors").write_text("not a tensor file")
+    for name in ("cut", "text"):
+        with pytest.raises(HeadMapError, match="not a readable safetensors head map"):
+            HeadMap.load(tmp_path / f"{name}.safetensors")
+
+
+def test_non_bool_values_are_rejected():
+    with pytest.raises(HeadMapError, match="0 and 1"):
+        HeadMap(torch.tensor([[0.5, 1.0]]))
+    with pytest.raises(HeadMapError, match="2-D"):
+        HeadMap(torch.ones(3, dtype=torch.bool))
+
+
+def test_effective_map_forces_first_global_layer_and_warns_on_sliding_rows():
+    hm = HeadMap(torch.tensor([[True], [False], [True], [False]]))
+    with pytest.warns(HeadMapWarning) as record:
+        eff = hm.effective(global_layers=[1, 3])
+    messages = " ".join(str(w.message) for w in record)
+    assert "sliding-window layers [0, 2]" in messages and "first global layer (1)" in messages
+    assert eff[:, 0].tolist() == [True, True, True, False]

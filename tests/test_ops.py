@@ -1,0 +1,88 @@
+"""The op contract: opcheck (schema, fake impl, autograd registration), and properties of the eager reference."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lychee_compile.ops import EMPTY, empty_index_state, hybrid_decode_op
+
+OP = hybrid_decode_op()
+
+
+def inputs(B=2, hkv=2, G=3, T=37, D=16, K=3, dtype=torch.float32, seed=0, pads=(0, 5), lengths=(30, 30)):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, hkv * G, 1, D, generator=g).to(dtype)
+    k = torch.randn(B, hkv, T, D, generator=g).to(dtype)
+    v = torch.randn(B, hkv, T, D, generator=g).to(dtype)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    for b in range(B):
+        valid[b, pads[b]:lengths[b]] = True
+    idx = empty_index_state(B, hkv, K, "cpu")
+    return q, k, v, valid, idx
+
+
+@pytest.mark.parametrize("retrieval", [[True, True], [True, False], [False, False]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(retrieval, dtype):
+    q, k, v, valid, idx = inputs(dtype=dtype)
+    idx[:, :, 0] = 2
+    torch.library.opcheck(OP, (q, k, v, valid, torch.tensor(retrieval), idx, 0.25, 4, 4, 4))
+
+
+def test_all_retrieval_is_dense_sdpa():
+    q, k, v, valid, idx = inputs()
+    out, _ = OP(q, k, v, valid, torch.tensor([True, True]), idx, 0.25, 4, 4, 4)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+                                                           attn_mask=valid[:, None, None, :], scale=0.25)
+    assert (out - ref).abs().max() < 1e-5
+
+
+def test_selection_layout_and_padding_never_selected():
+    q, k, v, valid, idx = inputs(K=3)
+    _, sel = OP(q, k, v, valid, torch.tensor([True, True]), idx, 0.25, 4, 4, 4)
+    assert sel.dtype == torch.int32 and sel.shape == (2, 2, 3)
+    for b in range(2):
+        for h in range(2):
+            row = [x for x in sel[b, h].tolist() if x != EMPTY]
+            assert row == sorted(set(row)) and len(row) == 3
+            first_valid = int(valid[b].nonzero()[0])
+            assert all((blk + 1) * 4 > first_valid for blk in row)        # no all-padding block
+            assert 0 not in row or first_valid >= 4                         # sink block (first valid) excluded
+
+
+def test_sparse_head_copies_state_and_attends_only_its_blocks():
+    q, k, v, valid, idx = inputs(B=1, pads=(0,), lengths=(36,), K=2)
+    idx[0, :, 0], idx[0, :, 1] = 3, EMPTY
+    out, out_idx = OP(q, k, v, valid, torch.tensor([False, False]), idx, 0.25, 4, 0, 0)
+    assert torch.equal(out_idx, idx)
+    keep = torch.zeros_like(valid)
+    keep[0, 12:16] = True                                  # block 3 only (no sink/local)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+                                                           attn_mask=keep[:, None, None, :], scale=0.25)
+    assert (out - ref).abs().max() < 1e-5
+
+
+def test_fewer_candidates_than_budget_selects_all_and_pads_empty():
+    q, k, v, valid, idx = inputs(B=1, pads=(0,), lengths=(12,), K=5)
+    _, sel = OP(q, k, v, valid, torch.tensor([True, True]), idx, 0.25, 4, 0, 0)
+    assert sel[0, 0].tolist() == [0, 1, 2, EMPTY, EMPTY]
+
+
+def test_ties_go_to_the_lower_block():
+    q, k, v, valid, idx = inputs(B=1, pads=(0,), lengths=(32,), K=2)
+    k.zero_()     # every score equal -> every block ties
+    _, sel = OP(q, k, v, valid, torch.tensor([True, True]), idx, 0.25, 4, 0, 0)
+    assert sel[0, 0].tolist() == [0, 1]
+
+
+def test_query_length_other_than_one_is_rejected():
+    q, k, v, valid, idx = inputs()
+    with pytest.raises(ValueError, match="query length 1"):
+        OP(torch.cat([q, q], 2), k, v, valid, torch.tensor([True, True]), idx, 0.25, 4, 4, 4)
+
+
+def test_num_select_is_budget_over_block_rounded_up():
+    from lychee_compile import LycheeConfig
+    assert LycheeConfig(budget=100, block_size=16).num_select == math.ceil(100 / 16)

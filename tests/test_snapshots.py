@@ -1,0 +1,35 @@
+"""Acceptance 3: the rewritten decode graph, in our own stable text format (lychee_compile/passes/snapshot.py).
+
+Regenerate after an intended change with LYCHEE_UPDATE_SNAPSHOTS=1 and review the diff under tests/snapshots/.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+from tests.harness import compiled, generate_logits
+from tests.models import make_batch
+from tests.test_sparse_semantics import mixed_map
+from tests.models import make
+
+SNAPSHOTS = pathlib.Path(__file__).parent / "snapshots"
+CASES = [("llama", "sdpa"), ("gpt_neox", "eager"), ("gemma3", "sdpa"), ("qwen2_gqa7", "eager")]
+
+
+@pytest.mark.parametrize("arch,attn", CASES)
+def test_rewritten_graph_snapshot(arch, attn):
+    model, state = compiled(arch, attn, retrieval=mixed_map(make(arch, attn)), budget=8, block_size=4,
+                            sink_tokens=4, local_tokens=4)
+    generate_logits(model, *make_batch(lengths=(12, 7)), steps=2)
+    assert state.counters.decode_graphs == 1
+    assert state.counters.sites_rewritten == len(state.global_layers)
+    text = state.snapshots[0]
+    assert text.count("lychee graph v1") == 1 and text.count("\nop ") == len(state.global_layers)
+    path = SNAPSHOTS / f"{arch}-{attn}.txt"
+    if os.environ.get("LYCHEE_UPDATE_SNAPSHOTS") == "1" or not path.exists():
+        if os.environ.get("CI") and not path.exists():
+            pytest.fail(f"snapshot {path.name} missing; create it with LYCHEE_UPDATE_SNAPSHOTS=1 and commit it")
+        path.write_text(text)
+    assert text == path.read_text(), f"graph changed; if intended, regenerate with LYCHEE_UPDATE_SNAPSHOTS=1"
