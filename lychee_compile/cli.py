@@ -105,7 +105,13 @@ def demo(args) -> int:
 
     same_tokens = dense.token_ids == lychee.token_ids
     print("\nresult:")
-    print(f"  answers agree: {'yes (identical tokens)' if same_tokens else ('same text' if dense.answer == lychee.answer else 'NO')}")
+    if same_tokens:
+        agree = f"yes (all {len(dense.token_ids)} tokens identical)"
+    else:
+        common = next((i for i, (a, b) in enumerate(zip(dense.token_ids, lychee.token_ids)) if a != b),
+                      min(len(dense.token_ids), len(lychee.token_ids)))
+        agree = f"no: the first {common} tokens are identical, then they differ"
+    print(f"  answers agree: {agree}")
     print(f"  passkey found: dense {'yes' if dense.correct else 'no'}, lychee {'yes' if lychee.correct else 'no'}")
     print(f"  decode tokens/s (after the first decode step): dense {_fmt_rate(dense.decode_tokens_per_s)}, "
           f"lychee {_fmt_rate(lychee.decode_tokens_per_s)}")
