@@ -58,7 +58,7 @@ GLOSSARY = '''
 '''
 
 SPLIT_SOURCE = '''
-{{def_kernel("Q", "K", "V", "VALID", "RETR", "IDX", "PM", "PL", "BLSE")}}
+{{def_kernel("Q", "K", "V", "VALID", "RETR", "IDX", "PM", "PL", "BLSE", "CNT")}}
 ''' + GLOSSARY + '''
     B = {{size("Q", 0)}}
     T = {{size("K", 2)}}
@@ -83,6 +83,9 @@ SPLIT_SOURCE = '''
     g_cur = (s * W) // NUM_SPLITS
     g_end = ((s + 1) * W) // NUM_SPLITS
 
+    # zero the selection tickets of the combine launch (read only after this launch completes)
+    for z in range(s, B * HKV, NUM_SPLITS):
+        tl.store(CNT + z, 0)
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -202,14 +205,19 @@ def _lychee_row_extent(VROW, stride_t, T, SCAN: tl.constexpr):
 '''
 
 COMBINE_SOURCE = '''
-{{def_kernel("PACC", "PM", "PL", "BLSE", "VALID", "RETR", "IDX", "IDXO", "KEYS")}}
+{{def_kernel("PACC", "PM", "PL", "BLSE", "VALID", "RETR", "IDX", "IDXO", "KEYS", "CNT")}}
 ''' + GLOSSARY + '''
+    # grid (B * HKV, G + NKC): program (seg, j < G) merges query head j of the segment's partials into OUT;
+    # program (seg, G + c) of a retrieval head turns blocks [c*KC, (c+1)*KC) into selection keys, and the last of
+    # the NKC key programs to finish (atomic ticket in CNT, zeroed by the split kernel) runs the top-KSEL selection;
+    # for a sparse head program (seg, G) copies the index row through.
     B = {{size("VALID", 0)}}
     T = {{size("VALID", 1)}}
     stride_mb, stride_mt = {{stride("VALID")}}
     stride_ib, stride_ih, stride_ik = {{stride("IDX")}}
     stride_ob, stride_oh, stride_ok = {{stride("IDXO")}}
     NB = (T + BS - 1) // BS
+    NKC = (NB + KC - 1) // KC
     NTS: tl.constexpr = ((S_MAX + L_MAX + KSEL) * BS + BLOCK_N - 1) // BLOCK_N
     NTR = (T + BLOCK_N - 1) // BLOCK_N
     hh = tl.arange(0, HKV_P)
@@ -220,6 +228,7 @@ COMBINE_SOURCE = '''
     W = B * R
 
     pid = tl.program_id(0)
+    j = tl.program_id(1)
     b = pid // HKV
     h = pid - b * HKV
     b64 = b.to(tl.int64)
@@ -232,127 +241,151 @@ COMBINE_SOURCE = '''
     s1 = ((seg_first + seg_n) * NUM_SPLITS - 1) // W
     nslot = s1 - s0 + 1
 
-    # ---- merge the segment's partials (flash-decoding combine) ----
-    gg = tl.arange(0, G2)
-    g_ok = gg < G
-    offs_c = tl.arange(0, SC)
     offs_d = tl.arange(0, D)
-    M = tl.full([G2], float("-inf"), tl.float32)
-    for c in range(0, nslot, SC):
-        sl = c + offs_c
-        sp = s0 + sl  # a split with an empty slice (W < NUM_SPLITS) wrote nothing: skip its slot
-        live = (sl < nslot) & ((sp * W) // NUM_SPLITS < ((sp + 1) * W) // NUM_SPLITS)
-        prow = (seg * NUM_SPLITS + sl)[:, None] * G + gg[None, :]
-        pm = tl.load(PM + prow, mask=live[:, None] & g_ok[None, :], other=float("-inf"))
-        M = tl.maximum(M, tl.max(pm, 0))
-    Ms = tl.where(M == float("-inf"), 0.0, M)
-    L = tl.zeros([G2], tl.float32)
-    acc = tl.zeros([G2, D], tl.float32)
-    for c in range(0, nslot, SC):
-        sl = c + offs_c
-        sp = s0 + sl
-        live = (sl < nslot) & ((sp * W) // NUM_SPLITS < ((sp + 1) * W) // NUM_SPLITS)
-        pmask = live[:, None] & g_ok[None, :]
-        prow = (seg * NUM_SPLITS + sl)[:, None] * G + gg[None, :]
-        pm = tl.load(PM + prow, mask=pmask, other=float("-inf"))
-        pl = tl.load(PL + prow, mask=pmask, other=0.0)
-        alpha = tl.exp2(pm - Ms[None, :])
-        L += tl.sum(pl * alpha, 0)
-        pa = tl.load(PACC + prow.to(tl.int64)[:, :, None] * D + offs_d[None, None, :], mask=pmask[:, :, None], other=0.0)
-        acc += tl.sum(pa * alpha[:, :, None], 0)
-    o = acc / tl.maximum(L, 1.1754943508222875e-38)[:, None]
-    xb = b
-    xq = (h * G + gg)[:, None]
-    xm = 0
-    xd = offs_d[None, :]
-    omask = g_ok[:, None] & (offs_d[None, :] < D)
-    {{store_output(("xb", "xq", "xm", "xd"), "o", "omask")}}
-
-    # ---- index state out ----
-    slots = tl.arange(0, KP)
-    out_base = IDXO + b64 * stride_ob + h64 * stride_oh
-    if retr_i == 0:
-        row = tl.load(IDX + b64 * stride_ib + h64 * stride_ih + slots * stride_ik, mask=slots < KSEL, other=-1)
-        tl.store(out_base + slots * stride_ok, row, mask=slots < KSEL)
+    sl = tl.arange(0, NSP)
+    sp = s0 + sl  # a split with an empty slice (W < NUM_SPLITS) wrote nothing: its slot is skipped
+    live = (sl < nslot) & ((sp * W) // NUM_SPLITS < ((sp + 1) * W) // NUM_SPLITS)
+    prow0 = seg * NUM_SPLITS
+    if j < G:
+        # ---- merge query head g = j (flash-decoding combine) ----
+        pm = tl.load(PM + (prow0 + sl) * G + j, mask=live, other=float("-inf"))
+        pl = tl.load(PL + (prow0 + sl) * G + j, mask=live, other=0.0)
+        M = tl.max(pm, 0)
+        Ms = tl.where(M == float("-inf"), 0.0, M)
+        L = tl.sum(pl * tl.exp2(pm - Ms), 0)
+        acc = tl.zeros([D], tl.float32)
+        offs_c = tl.arange(0, SC)
+        for c in range(0, nslot, SC):
+            slc = c + offs_c
+            spc = s0 + slc
+            livec = (slc < nslot) & ((spc * W) // NUM_SPLITS < ((spc + 1) * W) // NUM_SPLITS)
+            rows = (prow0 + slc) * G + j
+            pmc = tl.load(PM + rows, mask=livec, other=float("-inf"))
+            pa = tl.load(PACC + rows.to(tl.int64)[:, None] * D + offs_d[None, :], mask=livec[:, None], other=0.0)
+            acc += tl.sum(pa * tl.exp2(pmc - Ms)[:, None], 0)
+        o = acc / tl.maximum(L, 1.1754943508222875e-38)
+        xb = b
+        xq = h * G + j
+        xm = 0
+        xd = offs_d
+        omask = offs_d < D
+        {{store_output(("xb", "xq", "xm", "xd"), "o", "omask", indent_width=8)}}
     else:
-        lo, hi = _lychee_row_extent(VALID + b64 * stride_mb, stride_mt, T, SCAN)
-        has = lo < hi
-        sb0 = lo // BS
-        sb1 = tl.where(has & (SINK > 0), (tl.minimum(lo + SINK, hi) - 1) // BS + 1, sb0)
-        lb0 = tl.maximum(hi - LOCAL, lo) // BS
-        lb1 = tl.where(has & (LOCAL > 0), (hi - 1) // BS + 1, lb0)
-        lse_row = tl.where(L > 0.0, Ms + tl.log2(tl.maximum(L, 1.1754943508222875e-38)), 0.0)
-        blse_base = BLSE + (seg.to(tl.int64) * G) * NB
-        key_base = KEYS + seg.to(tl.int64) * NB
-        # keys: fp32 bits of the block score (non-negative floats order like their bits), -1 if not a candidate
-        ncand = tl.zeros([], tl.int32)
-        offs_kc = tl.arange(0, KC)
-        for c in range(0, NB, KC):
-            blk = c + offs_kc
-            lse = tl.load(blse_base + gg[:, None] * NB + blk[None, :], mask=g_ok[:, None] & (blk < NB)[None, :],
+        c_key = j - G
+        out_base = IDXO + b64 * stride_ob + h64 * stride_oh
+        slots = tl.arange(0, KP)
+        if retr_i == 0:
+            if c_key == 0:
+                row = tl.load(IDX + b64 * stride_ib + h64 * stride_ih + slots * stride_ik, mask=slots < KSEL, other=-1)
+                tl.store(out_base + slots * stride_ok, row, mask=slots < KSEL)
+        else:
+            # global log2-sum-exp2 of each query head of the segment, from the per-slot partials
+            gg = tl.arange(0, G2)
+            g_ok = gg < G
+            pm2 = tl.load(PM + (prow0 + sl)[:, None] * G + gg[None, :], mask=live[:, None] & g_ok[None, :],
                           other=float("-inf"))
+            pl2 = tl.load(PL + (prow0 + sl)[:, None] * G + gg[None, :], mask=live[:, None] & g_ok[None, :],
+                          other=0.0)
+            M2 = tl.max(pm2, 0)
+            M2s = tl.where(M2 == float("-inf"), 0.0, M2)
+            L2 = tl.sum(pl2 * tl.exp2(pm2 - M2s[None, :]), 0)
+            lse_row = tl.where(L2 > 0.0, M2s + tl.log2(tl.maximum(L2, 1.1754943508222875e-38)), 0.0)
+            lo, hi = _lychee_row_extent(VALID + b64 * stride_mb, stride_mt, T, SCAN)
+            has = lo < hi
+            sb0 = lo // BS
+            sb1 = tl.where(has & (SINK > 0), (tl.minimum(lo + SINK, hi) - 1) // BS + 1, sb0)
+            lb0 = tl.maximum(hi - LOCAL, lo) // BS
+            lb1 = tl.where(has & (LOCAL > 0), (hi - 1) // BS + 1, lb0)
+            # keys of blocks [c_key*KC, (c_key+1)*KC): fp32 bits of the block score (non-negative floats order
+            # like their bits), -1 if not a candidate
+            blk = c_key * KC + tl.arange(0, KC)
+            lse = tl.load(BLSE + (seg.to(tl.int64) * G + gg[:, None]) * NB + blk[None, :],
+                          mask=g_ok[:, None] & (blk < NB)[None, :], other=float("-inf"))
             score = tl.sum(tl.exp2(lse - lse_row[:, None]), 0)
             cand = (blk < NB) & (blk * BS < hi) & ((blk + 1) * BS > lo) & ((blk < sb0) | (blk >= sb1)) \\
                 & ((blk < lb0) | (blk >= lb1))
-            key = tl.where(cand, score.to(tl.int32, bitcast=True), -1)
-            tl.store(key_base + blk, key, mask=blk < NB)
-            ncand += tl.sum(cand.to(tl.int32), 0)
-        tl.debug_barrier()
-        if NB <= NBR:
-            # whole row in registers: 31 counting passes find the KSEL-th largest key exactly
-            blk = tl.arange(0, NBR)
-            keys = tl.load(key_base + blk, mask=blk < NB, other=-1)
-            thr = tl.zeros([], tl.int32)
-            for bit in tl.static_range(31):
-                trial = thr | (1 << (30 - bit))
-                cnt = tl.sum((keys >= trial).to(tl.int32), 0)
-                thr = tl.where(cnt >= KSEL, trial, thr)
-            take_all = ncand <= KSEL
-            gt = keys > thr
-            eq = (keys == thr).to(tl.int32)
-            need = KSEL - tl.sum(gt.to(tl.int32), 0)
-            rank = tl.cumsum(eq, 0) - eq
-            take = tl.where(take_all, keys >= 0, gt | ((eq != 0) & (rank < need)))
-            ti = take.to(tl.int32)
-            pos = tl.cumsum(ti, 0) - ti
-            tl.store(out_base + pos * stride_ok, blk, mask=take)
-            ntaken = tl.sum(ti, 0)
-        else:
-            thr = tl.zeros([], tl.int32)
-            for bit in tl.static_range(31):
-                trial = thr | (1 << (30 - bit))
-                cnt = tl.zeros([], tl.int32)
-                for c in range(0, NB, KC):
-                    blk = c + offs_kc
-                    keys = tl.load(key_base + blk, mask=blk < NB, other=-1)
-                    cnt += tl.sum((keys >= trial).to(tl.int32), 0)
-                thr = tl.where(cnt >= KSEL, trial, thr)
-            take_all = ncand <= KSEL
-            ngt = tl.zeros([], tl.int32)
-            for c in range(0, NB, KC):
-                blk = c + offs_kc
-                keys = tl.load(key_base + blk, mask=blk < NB, other=-1)
-                ngt += tl.sum((keys > thr).to(tl.int32), 0)
-            need = KSEL - ngt
-            eq_before = tl.zeros([], tl.int32)
-            ntaken = tl.zeros([], tl.int32)
-            for c in range(0, NB, KC):
-                blk = c + offs_kc
-                keys = tl.load(key_base + blk, mask=blk < NB, other=-1)
-                eq = (keys == thr).to(tl.int32)
-                rank = eq_before + tl.cumsum(eq, 0) - eq
-                take = tl.where(take_all, keys >= 0, (keys > thr) | ((eq != 0) & (rank < need)))
-                ti = take.to(tl.int32)
-                pos = ntaken + tl.cumsum(ti, 0) - ti
-                tl.store(out_base + pos * stride_ok, blk, mask=take)
-                eq_before += tl.sum(eq, 0)
-                ntaken += tl.sum(ti, 0)
-        tl.store(out_base + slots * stride_ok, tl.full([KP], -1, tl.int32), mask=(slots >= ntaken) & (slots < KSEL))
+            key_base = KEYS + seg.to(tl.int64) * NB
+            tl.store(key_base + blk, tl.where(cand, score.to(tl.int32, bitcast=True), -1), mask=blk < NB)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(CNT + seg, 1)
+            if ticket == NKC - 1:
+                tl.store(CNT + seg, 0)
+                _lychee_select(key_base, NB, out_base, stride_ok, KSEL, KP, NBR)
 ''' + '''
 
 @triton.jit
+def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, KSEL: tl.constexpr, KP: tl.constexpr, NBR: tl.constexpr):
+    # Top-KSEL of the int32 keys of one row (larger first, ties to the lower block; -1 = not a candidate), written
+    # ascending and EMPTY-padded. Exact radix select on the 31 key bits: three histogram passes (11 + 10 + 10 bits)
+    # find the KSEL-th largest key, then one pass writes the blocks. Rows longer than NBR are walked in chunks.
+    offs = tl.arange(0, NBR)
+    zero = tl.zeros([], tl.int32)
+    ncand = zero
+    for c in range(0, NB, NBR):
+        keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
+        ncand += tl.sum((keys >= 0).to(tl.int32), 0)
+    need = zero + KSEL
+    # pass 1: bits 30..20
+    bins1 = tl.arange(0, 2048)
+    hist = tl.zeros([2048], tl.int32)
+    for c in range(0, NB, NBR):
+        keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
+        match = keys >= 0
+        hist += tl.histogram(tl.where(match, keys >> 20, 0), 2048)
+        hist -= tl.where(bins1 == 0, tl.sum((~match).to(tl.int32), 0), 0)
+    p, need = _lychee_pick_bin(hist, bins1, need)
+    prefix = p
+    # pass 2: bits 19..10 among keys with that prefix
+    bins2 = tl.arange(0, 1024)
+    hist2 = tl.zeros([1024], tl.int32)
+    for c in range(0, NB, NBR):
+        keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
+        match = (keys >= 0) & ((keys >> 20) == prefix)
+        hist2 += tl.histogram(tl.where(match, (keys >> 10) & 1023, 0), 1024)
+        hist2 -= tl.where(bins2 == 0, tl.sum((~match).to(tl.int32), 0), 0)
+    p, need = _lychee_pick_bin(hist2, bins2, need)
+    prefix = (prefix << 10) | p
+    # pass 3: bits 9..0
+    hist3 = tl.zeros([1024], tl.int32)
+    for c in range(0, NB, NBR):
+        keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
+        match = (keys >= 0) & ((keys >> 10) == prefix)
+        hist3 += tl.histogram(tl.where(match, keys & 1023, 0), 1024)
+        hist3 -= tl.where(bins2 == 0, tl.sum((~match).to(tl.int32), 0), 0)
+    p, need = _lychee_pick_bin(hist3, bins2, need)
+    thr = (prefix << 10) | p
+    take_all = ncand <= KSEL
+    # write: keys > thr, plus the first `need` keys == thr in block order; positions ascend with the block
+    eq_before = zero
+    ntaken = zero
+    for c in range(0, NB, NBR):
+        keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
+        eq = (keys == thr).to(tl.int32)
+        rank = eq_before + tl.cumsum(eq, 0) - eq
+        take = tl.where(take_all, keys >= 0, (keys > thr) | ((eq != 0) & (rank < need)))
+        ti = take.to(tl.int32)
+        pos = ntaken + tl.cumsum(ti, 0) - ti
+        tl.store(OUT_ROW + pos * stride_o, c + offs, mask=take)
+        eq_before += tl.sum(eq, 0)
+        ntaken += tl.sum(ti, 0)
+    slots = tl.arange(0, KP)
+    tl.store(OUT_ROW + slots * stride_o, tl.full([KP], -1, tl.int32), mask=(slots >= ntaken) & (slots < KSEL))
+
+
+@triton.jit
+def _lychee_pick_bin(hist, bins, need):
+    # the bin holding the need-th largest key: the largest bin whose count from the top (inclusive) reaches need
+    total = tl.sum(hist, 0)
+    cum = tl.cumsum(hist, 0)
+    above_incl = total - cum + hist
+    pick = tl.max(tl.where(above_incl >= need, bins, 0), 0)
+    above_excl = tl.sum(tl.where(bins > pick, hist, 0), 0)
+    return pick, need - above_excl
+
+
+@triton.jit
 def _lychee_row_extent(VROW, stride_t, T, SCAN: tl.constexpr):
-    """First valid position lo and one past the last valid position hi of a row (lo == hi == 0 if none)."""
+    # first valid position lo and one past the last valid position hi of a row (lo == hi == 0 if none)
     offs = tl.arange(0, SCAN)
     lo = tl.zeros([], tl.int32) + T
     start = tl.zeros([], tl.int32)
@@ -397,7 +430,7 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
         NUM_SPLITS=num_splits, SCAN=1024,
     )
     split = dict(common, QK_SCALE_LOG2=float(scale) * 1.4426950408889634, DOT_UPCAST=interpreting())
-    combine = dict(common, SC=max(1, 64 // g2), KC=max(16, min(1024, _next_pow2(nb_hint))),
+    combine = dict(common, SC=64, NSP=_next_pow2(num_splits), KC=max(16, min(1024, _next_pow2(nb_hint))),
                    NBR=max(16, min(nbr_max, _next_pow2(nb_hint))))
     return split, combine
 
@@ -406,9 +439,9 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
 # Standalone rendering: the same Jinja text as a plain @triton.jit kernel with explicit size / stride arguments.
 # ---------------------------------------------------------------------------------------------------------------
 
-SPLIT_TENSORS = {"Q": 4, "K": 4, "V": 4, "VALID": 2, "RETR": 1, "IDX": 3, "PM": 3, "PL": 3, "BLSE": 4}
+SPLIT_TENSORS = {"Q": 4, "K": 4, "V": 4, "VALID": 2, "RETR": 1, "IDX": 3, "PM": 3, "PL": 3, "BLSE": 4, "CNT": 1}
 SPLIT_OUT = ("PACC", 4)
-COMBINE_TENSORS = {"PACC": 4, "PM": 3, "PL": 3, "BLSE": 4, "VALID": 2, "RETR": 1, "IDX": 3, "IDXO": 3, "KEYS": 3}
+COMBINE_TENSORS = {"PACC": 4, "PM": 3, "PL": 3, "BLSE": 4, "VALID": 2, "RETR": 1, "IDX": 3, "IDXO": 3, "KEYS": 3, "CNT": 1}
 COMBINE_OUT = ("OUT", 4)
 
 
@@ -503,6 +536,7 @@ def workspace(B, Hkv, G, D, T, block_size, num_splits, device):
         BLSE=torch.empty(B, Hkv, G, nb, dtype=f32, device=device),
         PACC=torch.empty(B * Hkv, num_splits, G, D, dtype=f32, device=device),
         KEYS=torch.empty(B, Hkv, nb, dtype=torch.int32, device=device),
+        CNT=torch.empty(B * Hkv, dtype=torch.int32, device=device),
     )
 
 
@@ -548,13 +582,14 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
     kc, cargs, _ = render_standalone("combine", cp)
     v1 = _arg_values(kargs, dict(Q=q, K=k, V=v, VALID=valid8, RETR=retr8, IDX=idx_in, **ws))
     v2 = _arg_values(cargs, dict(PACC=ws["PACC"], PM=ws["PM"], PL=ws["PL"], BLSE=ws["BLSE"], VALID=valid8,
-                                 RETR=retr8, IDX=idx_in, IDXO=idx_out, KEYS=ws["KEYS"], OUT=out))
+                                 RETR=retr8, IDX=idx_in, IDXO=idx_out, KEYS=ws["KEYS"], CNT=ws["CNT"], OUT=out))
+    combine_grid = (B * Hkv, G + -(-nb // cp["KC"]))
 
     def split():
         ks[(num_splits,)](*v1, num_warps=split_warps, num_stages=split_stages)
 
     def combine():
-        kc[(B * Hkv,)](*v2, num_warps=combine_warps, num_stages=1)
+        kc[combine_grid](*v2, num_warps=combine_warps, num_stages=1)
 
     return split, combine, out, idx_out
 
@@ -577,7 +612,7 @@ def cross_compile(kind: str, constexprs: dict, dtype: str = "bf16", num_warps: i
     from triton.compiler import ASTSource
     fn, args, _ = render_standalone(kind, dict(constexprs, DOT_UPCAST=False) if kind == "split" else constexprs)
     ptr_types = {"Q": dtype, "K": dtype, "V": dtype, "VALID": "i8", "RETR": "i8", "IDX": "i32", "IDXO": "i32",
-                 "KEYS": "i32", "PM": "fp32", "PL": "fp32", "BLSE": "fp32", "PACC": "fp32", "OUT": dtype}
+                 "KEYS": "i32", "CNT": "i32", "PM": "fp32", "PL": "fp32", "BLSE": "fp32", "PACC": "fp32", "OUT": dtype}
     signature, consts, attrs = {}, {}, {}
     rank = dict(SPLIT_TENSORS if kind == "split" else COMBINE_TENSORS)
     rank.update(dict([SPLIT_OUT if kind == "split" else COMBINE_OUT]))
@@ -590,6 +625,8 @@ def cross_compile(kind: str, constexprs: dict, dtype: str = "bf16", num_warps: i
             consts[a] = 1
         else:
             signature[a] = "i32"
+            if a.startswith("stride_"):   # outer strides: multiples of 16 elements for D in (64, 128, 256)
+                attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps,
                                                                                     num_stages=num_stages))
