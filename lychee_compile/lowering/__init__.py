@@ -1,0 +1,44 @@
+"""Inductor lowering of `torch.ops.lychee.hybrid_decode` to generated Triton kernels (issue 4).
+
+    from lychee_compile.lowering import register
+    register()          # idempotent; call before torch.compile(..., backend="inductor") compiles the graph
+
+After `register()`, every `lychee::hybrid_decode` node that Inductor compiles for CUDA (or for CPU with
+`torch._inductor.config.cpu_backend = "triton"`, tests only) with bf16/fp16 q/k/v becomes two Triton kernels
+(split + combine/select, see template.py); anything else (fp32, other devices) keeps the eager reference as an
+extern kernel. `unregister()` restores the default (extern) handling.
+"""
+from __future__ import annotations
+
+_state = {"registered": False, "previous": None}
+
+
+def register() -> None:
+    from . import compat
+    from .lower import OP, hybrid_decode_lowering
+    if compat.lowerings.get(OP) is hybrid_decode_lowering:
+        _state["registered"] = True
+        return
+    _state["previous"] = compat.lowerings.get(OP)
+    compat.register_lowering(OP, type_promotion_kind=None)(hybrid_decode_lowering)
+    _state["registered"] = True
+
+
+def unregister() -> None:
+    from . import compat
+    from .lower import OP
+    prev = _state["previous"]
+    if prev is None:
+        compat.lowerings.pop(OP, None)
+    else:
+        compat.lowerings[OP] = prev
+    _state["registered"] = False
+
+
+def is_registered() -> bool:
+    from . import compat
+    from .lower import OP, hybrid_decode_lowering
+    return compat.lowerings.get(OP) is hybrid_decode_lowering
+
+
+__all__ = ["register", "unregister", "is_registered"]

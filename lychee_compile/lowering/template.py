@@ -178,7 +178,7 @@ SPLIT_SOURCE = '''
         xg = offs_g[:, None]
         xd = offs_d[None, :]
         amask = g_ok[:, None] & (offs_d[None, :] < D)
-        {{store_output(("xs", "xt", "xg", "xd"), "acc", "amask", indent_width=8)}}
+        {{store_output(("xs", "xt", "xg", "xd"), "acc", "amask", indent_width=8, val_shape=("GP", "D"))}}
         g_cur += lt1 - lt0
 ''' + '''
 
@@ -269,7 +269,7 @@ COMBINE_SOURCE = '''
         xm = 0
         xd = offs_d
         omask = offs_d < D
-        {{store_output(("xb", "xq", "xm", "xd"), "o", "omask", indent_width=8)}}
+        {{store_output(("xb", "xq", "xm", "xd"), "o", "omask", indent_width=8, val_shape=("D",))}}
     else:
         c_key = j - G
         out_base = IDXO + b64 * stride_ob + h64 * stride_oh

@@ -1,0 +1,77 @@
+"""The ONE module of lychee_compile that imports private torch._inductor APIs.
+
+Checked on:
+  * torch 2.13 (+ triton 3.9, CPU machine: Inductor emitting Triton for CPU tensors under TRITON_INTERPRET=1)
+  * torch 2.11 (+ triton 3.6, the H100 machine)
+Known differences handled here:
+  * `autotune_select_algorithm` returns the output node on 2.11 but a tuple (node, ...) on 2.13 -> `select_one`.
+  * `SizeVarAllocator.optimization_hint` (2.13) vs `size_hint` (2.11) -> `size_hint`.
+Everything else used (register_lowering, lowerings, empty_strided, fallback_handler, TritonTemplate,
+SymbolicGridFn, ir.FixedLayout, ir.ExternKernel.realize_input, V.graph.sizevars.guard_int) has the same shape on
+both. Any other torch version is used at your own risk: `CHECKED_VERSIONS` says what was checked.
+"""
+from __future__ import annotations
+
+import torch
+
+CHECKED_VERSIONS = ((2, 11), (2, 13))
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+from torch._inductor import config as inductor_config  # noqa: E402
+from torch._inductor import ir  # noqa: E402
+from torch._inductor.lowering import (empty_strided, fallback_handler, lowerings,  # noqa: E402
+                                      register_lowering)
+from torch._inductor.select_algorithm import (SymbolicGridFn, TritonTemplate,  # noqa: E402
+                                              autotune_select_algorithm)
+from torch._inductor.virtualized import V  # noqa: E402
+from torch.utils._sympy.functions import CeilDiv  # noqa: E402
+
+__all__ = ["CHECKED_VERSIONS", "TORCH_VERSION", "inductor_config", "ir", "empty_strided", "fallback_handler",
+           "lowerings", "register_lowering", "SymbolicGridFn", "TritonTemplate", "select_one", "V", "CeilDiv",
+           "size_hint", "static_int", "realize", "to_dtype", "fixed_layout", "triton_device_ok", "sm_count"]
+
+
+def select_one(name, choices, input_nodes, layout):
+    """autotune_select_algorithm over our (single) choice; returns the output TensorBox on every checked version."""
+    res = autotune_select_algorithm(name, choices, input_nodes, layout)
+    if isinstance(res, tuple):  # torch 2.13
+        res = res[0]
+    return res
+
+
+def size_hint(expr) -> int:
+    """A tuning hint for a (possibly symbolic) size; never a guard."""
+    sv = V.graph.sizevars
+    if hasattr(sv, "optimization_hint"):
+        return int(sv.optimization_hint(expr, fallback=8192))
+    return int(sv.size_hint(expr, fallback=8192))
+
+
+def static_int(expr) -> int:
+    """Head counts / head dim / index width become kernel constexprs: guard them static (they are model
+    constants). Batch and cache length are never passed through here."""
+    return int(V.graph.sizevars.guard_int(expr))
+
+
+def realize(x):
+    return ir.ExternKernel.realize_input(x)
+
+
+def to_dtype(x, dtype):
+    return lowerings[torch.ops.prims.convert_element_type.default](x, dtype)
+
+
+def fixed_layout(device, dtype, size):
+    return ir.FixedLayout(device, dtype, list(size), ir.FlexibleLayout.contiguous_strides(list(size)))
+
+
+def triton_device_ok(device) -> bool:
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and inductor_config.cpu_backend == "triton"
+
+
+def sm_count(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4

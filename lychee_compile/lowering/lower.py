@@ -1,0 +1,102 @@
+"""Inductor lowering of `lychee::hybrid_decode` to the two Triton templates of template.py.
+
+Private Inductor names come only through compat.py. Sizes: B (batch) and T (cache length) stay symbolic (kernel
+arguments; the grids are symbolic in them); Hq, Hkv, D and the index width K are guarded static (they are
+constexprs of the kernels, model constants in practice). The head kinds (`retrieval`) are a runtime tensor, so one
+compiled kernel pair serves every layer and head map.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import compat
+from .template import COMBINE_SOURCE, SPLIT_SOURCE, interpreting, kernel_params
+
+OP = torch.ops.lychee.hybrid_decode.default
+
+
+@compat.SymbolicGridFn
+def _split_grid(b, meta):
+    return (meta["NUM_SPLITS"], 1, 1)
+
+
+@compat.SymbolicGridFn
+def _combine_grid(b, t, meta, *, cdiv):
+    return (b * meta["HKV"], meta["G"] + cdiv(cdiv(t, meta["BS"]), meta["KC"]), 1)
+
+
+_TEMPLATES = {}
+
+
+def templates():
+    if not _TEMPLATES:
+        _TEMPLATES["split"] = compat.TritonTemplate(name="lychee_hybrid_split", grid=_split_grid, source=SPLIT_SOURCE)
+        _TEMPLATES["combine"] = compat.TritonTemplate(name="lychee_hybrid_combine", grid=_combine_grid,
+                                                      source=COMBINE_SOURCE)
+    return _TEMPLATES["split"], _TEMPLATES["combine"]
+
+
+def _fallback(*args):
+    return compat.fallback_handler(OP, add_to_fallback_set=False)(*args)
+
+
+def supported(q, k) -> str | None:
+    """None if the Triton path handles these inputs, else why not (the eager reference then runs as an extern)."""
+    if q.get_dtype() not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.get_dtype()} (fp32 uses the reference)"
+    if not compat.triton_device_ok(q.get_device()):
+        return f"device {q.get_device()}"
+    if k.get_dtype() != q.get_dtype():
+        return "q and k/v dtypes differ"
+    return None
+
+
+def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens):
+    if supported(q, k) is not None:
+        return _fallback(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens)
+    B, Hq, _, D = q.get_size()
+    T = k.get_size()[2]
+    Hq, Hkv, D, K_sel = (compat.static_int(x) for x in (Hq, k.get_size()[1], D, idx_in.get_size()[2]))
+    if D < 16 or D & (D - 1) or Hq % Hkv:
+        return _fallback(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens)
+    G = Hq // Hkv
+    device = q.get_device()
+    num_splits = 2 * compat.sm_count(device)
+    nb_hint = -(-compat.size_hint(T) // int(block_size))
+    sp, cp = kernel_params(G=G, Hkv=Hkv, D=D, K_sel=K_sel, block_size=int(block_size), sink_tokens=int(sink_tokens),
+                           local_tokens=int(local_tokens), scale=float(scale), num_splits=num_splits,
+                           nb_hint=nb_hint)
+    sp = dict(sp, DOT_UPCAST=interpreting())
+    NB = compat.CeilDiv(T, int(block_size))
+    f32, i32 = torch.float32, torch.int32
+    q, k, v, idx_in = (compat.realize(x) for x in (q, k, v, idx_in))
+    valid8 = compat.realize(compat.to_dtype(valid, torch.int8))
+    retr8 = compat.realize(compat.to_dtype(retrieval, torch.int8))
+    pm = compat.empty_strided([B * Hkv, num_splits, G], None, dtype=f32, device=device)
+    pl = compat.empty_strided([B * Hkv, num_splits, G], None, dtype=f32, device=device)
+    blse = compat.empty_strided([B, Hkv, G, NB], None, dtype=f32, device=device)
+    keys = compat.empty_strided([B, Hkv, NB], None, dtype=i32, device=device)
+    cnt = compat.empty_strided([B * Hkv], None, dtype=i32, device=device)
+    idx_out = compat.empty_strided(list(idx_in.get_size()), None, dtype=i32, device=device)
+    split_t, combine_t = templates()
+
+    acc_layout = compat.fixed_layout(device, f32, [B * Hkv, num_splits, G, D])
+    split_inputs = [q, k, v, valid8, retr8, idx_in, pm, pl, blse, cnt]
+    choices = []
+    err = split_t.maybe_append_choice(choices, input_nodes=split_inputs, layout=acc_layout,
+                                      mutated_inputs=[pm, pl, blse, cnt], call_sizes=[B], num_stages=3,
+                                      num_warps=4, **sp)
+    if not choices:
+        raise RuntimeError(f"lychee hybrid_decode split template failed: {err}")
+    pacc = compat.select_one("lychee_hybrid_split", choices, split_inputs, acc_layout)
+
+    out_layout = compat.fixed_layout(device, q.get_dtype(), [B, Hq, 1, D])
+    combine_inputs = [pacc, pm, pl, blse, valid8, retr8, idx_in, idx_out, keys, cnt]
+    choices = []
+    err = combine_t.maybe_append_choice(choices, input_nodes=combine_inputs, layout=out_layout,
+                                        mutated_inputs=[idx_out, keys, cnt], call_sizes=[B, T], num_stages=1,
+                                        num_warps=8, **cp)
+    if not choices:
+        raise RuntimeError(f"lychee hybrid_decode combine template failed: {err}")
+    out = compat.select_one("lychee_hybrid_combine", choices, combine_inputs, out_layout)
+    return out, idx_out
