@@ -250,6 +250,54 @@ def run_one(arch, impl, lengths=(12, 7), max_new_tokens=4):
     return res, graphs
 
 
+def run_direct(arch, impl, lengths=(12, 7), max_new_tokens=4, pass_mask=True):
+    """torch.compile(model) called by hand (no generate): StaticCache, prefill + decode steps, greedy."""
+    from transformers import StaticCache
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    graphs = []
+
+    def backend(gm, example_inputs, **kwargs):
+        graphs.append((gm, example_inputs, kwargs, analyse(gm, example_inputs), gm.code))
+        return gm.forward
+
+    ids, am = make_batch(lengths)
+    model = make(arch, impl)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=am, max_new_tokens=max_new_tokens, do_sample=False)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    err, out = None, None
+    try:
+        with torch.no_grad():
+            cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + max_new_tokens)
+            mask = am.clone()
+            pos = (am.cumsum(-1) - 1).clamp(min=0)
+            kw = dict(attention_mask=mask) if pass_mask else {}
+            logits = compiled(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, **kw).logits
+            toks = [logits[:, -1].argmax(-1, keepdim=True)]
+            for _ in range(max_new_tokens - 1):
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                pos = pos[:, -1:] + 1
+                kw = dict(attention_mask=mask) if pass_mask else {}
+                logits = compiled(input_ids=toks[-1], position_ids=pos, past_key_values=cache, use_cache=True,
+                                  **kw).logits
+                toks.append(logits[:, -1].argmax(-1, keepdim=True))
+            out = torch.cat([ids] + toks, dim=1)
+    except Exception as e:  # noqa: BLE001
+        err = f"{type(e).__name__}: {str(e)[:300]}"
+    res = {
+        "arch": arch, "impl": impl, "lengths": list(lengths), "torch": torch.__version__,
+        "transformers": transformers.__version__, "error": err, "n_graphs": len(graphs),
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "backend_kwargs": [sorted(g[2].keys()) for g in graphs],
+        "tokens_equal_eager": None if out is None else bool(torch.equal(out, ref)),
+        "tokens_equal_static_uncompiled": "direct" + ("" if pass_mask else ", no mask passed"),
+        "graphs": [g[3] for g in graphs],
+    }
+    return res, graphs
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", action="append")
@@ -257,12 +305,19 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--lengths", default="12,7", help="prompt lengths, e.g. 12,7 (left-padded) or 12,12 or 9")
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--new", type=int, default=4, help="max_new_tokens")
+    ap.add_argument("--direct", action="store_true", help="torch.compile(model) + StaticCache by hand, no generate")
+    ap.add_argument("--no-mask", action="store_true", help="with --direct: pass no attention_mask")
     ap.add_argument("--dump-graph", action="store_true")
     a = ap.parse_args()
     results = []
     for arch in a.arch or list(ARCHS):
         for impl in a.impl or list(ATTN_IMPLS):
-            res, graphs = run_one(arch, impl, tuple(int(x) for x in a.lengths.split(",")))
+            lengths = tuple(int(x) for x in a.lengths.split(","))
+            if a.direct:
+                res, graphs = run_direct(arch, impl, lengths, a.new, pass_mask=not a.no_mask)
+            else:
+                res, graphs = run_one(arch, impl, lengths, a.new)
             results.append(res)
             print(json.dumps(res, indent=1, default=str) if a.verbose else summarize(res))
             if a.dump_graph:

@@ -29,7 +29,10 @@ def pytest_report_header(config):
         triton_version = triton.__version__
     except Exception:  # noqa: BLE001  (no triton in this venv)
         triton_version = "absent"
-    return (f"stack: torch {torch.__version__}, transformers {transformers.__version__}, triton {triton_version}, "
+    import importlib.util
+    spec = importlib.util.find_spec("lychee_compile")
+    where = os.path.dirname(spec.origin) if spec and spec.origin else "not importable"
+    return (f"lychee_compile from {where}; stack: torch {torch.__version__}, transformers {transformers.__version__}, triton {triton_version}, "
             f"cuda available: {torch.cuda.is_available()}, torch threads: {torch.get_num_threads()}")
 
 

@@ -50,3 +50,33 @@ def test_zoo_shapes():
     ids, mask = make_batch((12, 7))
     assert ids.shape == mask.shape == (2, 12) and mask.sum(1).tolist() == [12, 7]
     assert mask[1, :5].sum() == 0  # left padding
+
+
+@pytest.mark.parametrize("arch,impl,n_graphs", [("llama", "sdpa", 1), ("gemma3", "eager", 2)])
+def test_compiled_generate_canary(arch, impl, n_graphs):
+    """The decode-step form docs/STACKS.md describes: generate() compiles the decode step only, fullgraph, with the
+    mask as a graph input; tokens equal eager. A failure here means the stack changed what the passes see."""
+    from transformers import CompileConfig
+
+    graphs = []
+
+    def backend(gm, example_inputs, **kwargs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids, mask = make_batch((12, 7))
+    model = make(arch, impl)
+    ref = _generate(model, ids, mask)
+    cc = CompileConfig(backend=backend, fullgraph=True, mode=None)
+    cc._compile_all_devices = True
+    out = _generate(model, ids, mask, cache_implementation="static", compile_config=cc)
+    assert torch.equal(out, ref)
+    assert len(graphs) == n_graphs  # sliding layers: one recompile when cumulative_length_int turns symbolic
+    gm = graphs[-1]
+    sdpa = [n for n in gm.graph.nodes if n.target is torch._C._nn.scaled_dot_product_attention]
+    softmax = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and "softmax" in str(n.target)]
+    n_layers = model.config.num_hidden_layers
+    assert len(sdpa if impl == "sdpa" else softmax) == n_layers
+    placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+    assert any("attention_mask" in p for p in placeholders)  # mask built outside the compiled decode step
+    assert sum(p.endswith("_keys") for p in placeholders) == n_layers
