@@ -11,6 +11,17 @@ else
   PY="$(command -v python || command -v python3)"
 fi
 MARKERS="${LYCHEE_PYTEST_MARKERS:-not gpu}"
+"$PY" - <<'PYEOF'
+import importlib.util, torch, transformers
+spec = importlib.util.find_spec("lychee_compile")
+try:
+    import triton
+    tv = triton.__version__
+except Exception:
+    tv = "absent"
+print(f"test.sh: torch {torch.__version__}, transformers {transformers.__version__}, triton {tv}; "
+      f"lychee_compile from {spec.origin if spec else 'NOT IMPORTABLE'}")
+PYEOF
 echo "test.sh: $PY -m pytest -q -m \"$MARKERS\" $*"
 rc=0
 "$PY" -m pytest -q -m "$MARKERS" "$@" || rc=$?
