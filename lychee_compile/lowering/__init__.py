@@ -16,11 +16,11 @@ _state = {"registered": False, "previous": None}
 def register() -> None:
     from . import compat
     from .lower import OP, hybrid_decode_lowering
-    if compat.lowerings.get(OP) is hybrid_decode_lowering:
-        _state["registered"] = True
+    if is_registered():
         return
     _state["previous"] = compat.lowerings.get(OP)
     compat.register_lowering(OP, type_promotion_kind=None)(hybrid_decode_lowering)
+    compat.lowerings[OP]._lychee_hybrid_decode = True   # register_lowering stores a wrapper: mark it
     _state["registered"] = True
 
 
@@ -37,8 +37,8 @@ def unregister() -> None:
 
 def is_registered() -> bool:
     from . import compat
-    from .lower import OP, hybrid_decode_lowering
-    return compat.lowerings.get(OP) is hybrid_decode_lowering
+    from .lower import OP
+    return bool(getattr(compat.lowerings.get(OP), "_lychee_hybrid_decode", False))
 
 
 __all__ = ["register", "unregister", "is_registered"]
