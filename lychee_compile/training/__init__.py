@@ -1,0 +1,14 @@
+"""Learned head maps: which KV heads are retrieval heads (LycheeDecode §3.2 / App. A) and the baselines.
+
+    hardkuma.py         HardKuma(α, β) gates: sampling, closed-form P(z=0), P(z=1), E‖z‖₀, E[z]
+    gates.py            the gate families the trainer optimizes: HardKuma, HardConcrete (L0), Duo (continuous α)
+    lagrangian.py       λ ≥ 0 of L_distill + λ·(E‖z‖₀ − N_target), gradient ascent, clamped at 0
+    mixed_attention.py  transformers AttentionInterface function: z·A_full + (1−z)·A_sparse on decode-style targets
+    data.py             passkey training samples over real text; the dense prompt KV cache + teacher logits
+    trainer.py          the training loop (seeded, resumable, progress bar), map extraction
+    retrieval_score.py  training-free retrieval score (Wu et al. 2024)
+    duo_import.py       DuoAttention per-KV-head TSV patterns -> HeadMap
+    compare.py          passkey accuracy of several maps through lychee_compile at equal retrieval-head count
+    plots.py            E[z] per head over steps (heatmap) and the final map
+    cli.py              `lychee train-heads`
+"""
