@@ -77,7 +77,10 @@ def demo(args) -> int:
     dense = run_passkey(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens)
     _report("dense", dense, prompt)
 
-    print(f"\n[2/2] lychee_compile (backend {config.backend!r}; the first decode step compiles) ...", flush=True)
+    note = ("Inductor generates code for the decode step at the first step: 1-2 min on a busy CPU; "
+            "--backend eager skips code generation" if config.backend == "inductor"
+            else "the first decode step traces and rewrites the graph")
+    print(f"\n[2/2] lychee_compile (backend {config.backend!r}; {note}) ...", flush=True)
     try:
         from . import lychee_compile
         t0 = time.perf_counter()
