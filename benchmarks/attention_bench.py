@@ -295,11 +295,11 @@ def main():
         variants = {
             "ours": {},
             "splits1x": dict(num_splits=sms),
-            "splits4x": dict(num_splits=4 * sms),
+            "splits3x": dict(num_splits=3 * sms),
+            "bn32": dict(block_n=32),
             "bn128": dict(block_n=128),
-            "w8": dict(split_warps=8),
-            "st2": dict(split_stages=2),
             "st4": dict(split_stages=4),
+            "cw4": dict(combine_warps=4),
         }
         for T, B, nr, bud in [(131072, 1, 2, 4096), (131072, 1, 1, 4096)]:
             r = bench_config(T, B, nr, bud, bw, variants=variants, time_baselines=False)

@@ -163,10 +163,9 @@ SPLIT_SOURCE = '''
                 acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m_i = m_new
             # per-block log2-sum-exp2 for the retrieval head's block scores (tiles of a retrieval segment are aligned)
-            x = tl.reshape(qk, (GP, NBT, BS))
-            bm = tl.max(x, 2)
-            bms = tl.where(bm == float("-inf"), 0.0, bm)
-            blse = bms + tl.log2(tl.sum(tl.exp2(x - bms[:, :, None]), 2))
+            # (from p = exp2(qk - m_use): a block below 2^-126 of the running max underflows to -inf, as the
+            # reference's fp32 probabilities, normalised by the global max, underflow to 0)
+            blse = m_use[:, None] + tl.log2(tl.sum(tl.reshape(p, (GP, NBT, BS)), 2))
             bidx = lt * NBT + tl.arange(0, NBT)
             tl.store(blse_base + offs_g[:, None] * NB + bidx[None, :], blse,
                      mask=(r_g & g_ok)[:, None] & (bidx[None, :] < NB))
