@@ -22,9 +22,9 @@ except Exception:
 print(f"test.sh: torch {torch.__version__}, transformers {transformers.__version__}, triton {tv}; "
       f"lychee_compile from {spec.origin if spec else 'NOT IMPORTABLE'}")
 PYEOF
-echo "test.sh: $PY -m pytest -q -m \"$MARKERS\" $*"
+echo "test.sh: $PY -m pytest -q -m \"$MARKERS\" --durations=10 $*"
 rc=0
-"$PY" -m pytest -q -m "$MARKERS" "$@" || rc=$?
+"$PY" -m pytest -q -m "$MARKERS" --durations=10 "$@" || rc=$?
 if [[ $rc -eq 5 ]]; then
   echo "test.sh: pytest collected no tests (exit 5): treated as a failure" >&2
   exit 1
