@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--repeat", action="store_true", help="run the lychee generate a second time (already compiled)")
     d.add_argument("--traceback", action="store_true", help="show the full traceback if lychee_compile fails")
     d.set_defaults(func=demo)
+    from .training.cli import add_parser as _add_train_heads  # `lychee train-heads` (lychee_compile/training/)
+    _add_train_heads(sub)
     return parser
 
 

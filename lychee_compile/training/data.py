@@ -31,6 +31,7 @@ class Sample:
     depth: float
     needle_token_pos: int
     n_prompt: int
+    prompt_ids: list | None = None   # the full prompt's token ids (for the retrieval score)
 
     def cache(self):
         from transformers import DynamicCache
@@ -53,7 +54,8 @@ def build_sample(model, tokenizer, prompt_tokens: int, seed: int, depth: float) 
         teacher_cache = DynamicCache(ddp_cache_data=kv)
         teacher = model(input_ids=inputs, past_key_values=teacher_cache, use_cache=True).logits[0].float()
     return Sample(kv=kv, inputs=inputs, targets=answer[0], teacher=teacher, passkey=prompt.passkey, depth=depth,
-                  needle_token_pos=prompt.needle_token_pos, n_prompt=prompt.n_tokens)
+                  needle_token_pos=prompt.needle_token_pos, n_prompt=prompt.n_tokens,
+                  prompt_ids=ids[0].tolist())
 
 
 def sample_plan(num: int, seed: int) -> list[tuple[int, float]]:
@@ -72,7 +74,12 @@ def build_dataset(model, tokenizer, prompt_tokens: int, num: int, seed: int, cac
                          ).hexdigest()[:16]
     path = os.path.join(cache_dir, f"passkey-{prompt_tokens}-{num}-{key}.pt") if cache_dir else None
     if path and os.path.exists(path):
-        return [Sample(**d) for d in torch.load(path, weights_only=False)]
+        samples = [Sample(**d) for d in torch.load(path, weights_only=False)]
+        for smp, (s, d) in zip(samples, plan):
+            if smp.prompt_ids is None:   # caches written before prompt_ids was kept
+                from ..eval.passkey import build_passkey_prompt
+                smp.prompt_ids = build_passkey_prompt(tokenizer, prompt_tokens, depth=d, seed=s).input_ids[0].tolist()
+        return samples
     from tqdm.auto import tqdm
     samples = [build_sample(model, tokenizer, prompt_tokens, s, d)
                for s, d in tqdm(plan, desc="prefill (dense teacher)", disable=not progress)]

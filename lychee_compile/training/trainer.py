@@ -30,6 +30,9 @@ class TrainConfig:
     lambda_lr: float = 0.01            # gradient ascent on λ
     l1: float = 0.05                   # Duo only
     budget_frac: float = 0.3           # sparse heads' token budget during training, fraction of the prompt
+    # "sum": Σ_j ‖y_S[j] − y_T[j]‖² as in LycheeDecode; "vocab-mean": the same divided by the vocabulary size
+    # (keeps λ and the distillation term on one scale, so short runs with λ-lr ~0.01-0.1 can reach the budget)
+    loss_norm: str = "vocab-mean"
     block_size: int = 16
     sink_tokens: int = 16
     local_tokens: int = 64
@@ -107,9 +110,12 @@ class Trainer:
         for b, i in enumerate(order):
             s = self.samples[i]
             logits = self.student_logits(s, self.gate_matrix(z[b]))
-            loss_b = ((logits.float() - s.teacher) ** 2).sum() / len(order)
+            sq = ((logits.float() - s.teacher) ** 2).sum()
+            if cfg.loss_norm == "vocab-mean":
+                sq = sq / logits.shape[-1]
+            loss_b = sq / len(order)
             loss_b.backward(retain_graph=b < len(order) - 1)
-            distill += float(loss_b)
+            distill += float(loss_b.detach())
         constraint = self.gates.constraint()
         extra = torch.zeros(())
         if constraint is not None and self.gates.lagrangian:
