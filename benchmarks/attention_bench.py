@@ -263,6 +263,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--tune", action="store_true", help="time kernel variants on the headline configs")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler kernel times of the headline config")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
@@ -305,6 +306,8 @@ def main():
             r = bench_config(T, B, nr, bud, bw, variants=variants, time_baselines=False)
             print("tune", json.dumps(r), flush=True)
             results["tune"].append(r)
+    if args.profile:
+        profile_headline(results)
     ctxs = [16384, 32768, 65536, 131072]
     batches = [1, 2, 4]
     shares = [1, 2, 4]
@@ -334,6 +337,31 @@ def main():
               f"{f(r['ours_split_ms'])} {f(r['ours_combine_ms'])} | {f(r.get('cudnn_ms'))} {f(r.get('flash_ms'))} "
               f"{f(r.get('gather_ms'))} | {r.get('speedup_vs_cudnn', float('nan')):.2f}")
     print(f"total {time.time() - t_start:.0f}s")
+
+
+def profile_headline(results, T=131072, B=1, n_retr=2, budget=4096):
+    """Per-kernel device times (torch.profiler, no graph) of split + combine, to see where time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    K = budget // BS
+    q, k, v = rand(B, HQ, 1, D), rand(B, HKV, T, D), rand(B, HKV, T, D)
+    valid = torch.ones(B, T, dtype=torch.bool, device="cuda")
+    retrieval = torch.zeros(HKV, dtype=torch.bool, device="cuda")
+    retrieval[:n_retr] = True
+    idx_in = random_index(B, T, K, "cuda")
+    split, combine, _, _ = make_launchers(q, k, v, valid, retrieval, idx_in, D ** -0.5, BS, SINK, LOCAL)
+    flush = torch.empty(256 * 2 ** 20, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        split(); combine()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            flush.zero_()
+            split()
+            combine()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=8)
+    print(table, flush=True)
+    results["profile"] = table
 
 
 def plot(results, path):

@@ -315,46 +315,38 @@ COMBINE_SOURCE = '''
 @triton.jit
 def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, KSEL: tl.constexpr, KP: tl.constexpr, NBR: tl.constexpr):
     # Top-KSEL of the int32 keys of one row (larger first, ties to the lower block; -1 = not a candidate), written
-    # ascending and EMPTY-padded. Exact radix select on the 31 key bits: three histogram passes (11 + 10 + 10 bits)
-    # find the KSEL-th largest key, then one pass writes the blocks. Rows longer than NBR are walked in chunks.
+    # ascending and EMPTY-padded. Exact: 31 counting passes (one per key bit, high to low) find the KSEL-th largest
+    # key thr; then keys > thr and the first (KSEL - #greater) keys == thr in block order are taken. A row of up to
+    # NBR keys stays in registers; a longer one is walked in NBR chunks per pass (same result, slower).
     offs = tl.arange(0, NBR)
     zero = tl.zeros([], tl.int32)
-    ncand = zero
-    for c in range(0, NB, NBR):
-        keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
-        ncand += tl.sum((keys >= 0).to(tl.int32), 0)
-    need = zero + KSEL
-    # pass 1: bits 30..20
-    bins1 = tl.arange(0, 2048)
-    hist = tl.zeros([2048], tl.int32)
-    for c in range(0, NB, NBR):
-        keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
-        match = keys >= 0
-        hist += tl.histogram(tl.where(match, keys >> 20, 0), 2048)
-        hist -= tl.where(bins1 == 0, tl.sum((~match).to(tl.int32), 0), 0)
-    p, need = _lychee_pick_bin(hist, bins1, need)
-    prefix = p
-    # pass 2: bits 19..10 among keys with that prefix
-    bins2 = tl.arange(0, 1024)
-    hist2 = tl.zeros([1024], tl.int32)
-    for c in range(0, NB, NBR):
-        keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
-        match = (keys >= 0) & ((keys >> 20) == prefix)
-        hist2 += tl.histogram(tl.where(match, (keys >> 10) & 1023, 0), 1024)
-        hist2 -= tl.where(bins2 == 0, tl.sum((~match).to(tl.int32), 0), 0)
-    p, need = _lychee_pick_bin(hist2, bins2, need)
-    prefix = (prefix << 10) | p
-    # pass 3: bits 9..0
-    hist3 = tl.zeros([1024], tl.int32)
-    for c in range(0, NB, NBR):
-        keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
-        match = (keys >= 0) & ((keys >> 10) == prefix)
-        hist3 += tl.histogram(tl.where(match, keys & 1023, 0), 1024)
-        hist3 -= tl.where(bins2 == 0, tl.sum((~match).to(tl.int32), 0), 0)
-    p, need = _lychee_pick_bin(hist3, bins2, need)
-    thr = (prefix << 10) | p
+    thr = zero
+    if NB <= NBR:
+        keys = tl.load(KEYS_ROW + offs, mask=offs < NB, other=-1, cache_modifier=".cg")
+        ncand = tl.sum((keys >= 0).to(tl.int32), 0)
+        for bit in tl.static_range(31):
+            trial = thr | (1 << (30 - bit))
+            thr = tl.where(tl.sum((keys >= trial).to(tl.int32), 0) >= KSEL, trial, thr)
+        ngt = tl.sum((keys > thr).to(tl.int32), 0)
+    else:
+        ncand = zero
+        for c in range(0, NB, NBR):
+            keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
+            ncand += tl.sum((keys >= 0).to(tl.int32), 0)
+        for bit in tl.static_range(31):
+            trial = thr | (1 << (30 - bit))
+            cnt = zero
+            for c in range(0, NB, NBR):
+                keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
+                cnt += tl.sum((keys >= trial).to(tl.int32), 0)
+            thr = tl.where(cnt >= KSEL, trial, thr)
+        ngt = zero
+        for c in range(0, NB, NBR):
+            keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
+            ngt += tl.sum((keys > thr).to(tl.int32), 0)
     take_all = ncand <= KSEL
-    # write: keys > thr, plus the first `need` keys == thr in block order; positions ascend with the block
+    need = KSEL - ngt
+    # write: positions ascend with the block number
     eq_before = zero
     ntaken = zero
     for c in range(0, NB, NBR):
@@ -369,17 +361,6 @@ def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, KSEL: tl.constexpr, KP: tl.c
         ntaken += tl.sum(ti, 0)
     slots = tl.arange(0, KP)
     tl.store(OUT_ROW + slots * stride_o, tl.full([KP], -1, tl.int32), mask=(slots >= ntaken) & (slots < KSEL))
-
-
-@triton.jit
-def _lychee_pick_bin(hist, bins, need):
-    # the bin holding the need-th largest key: the largest bin whose count from the top (inclusive) reaches need
-    total = tl.sum(hist, 0)
-    cum = tl.cumsum(hist, 0)
-    above_incl = total - cum + hist
-    pick = tl.max(tl.where(above_incl >= need, bins, 0), 0)
-    above_excl = tl.sum(tl.where(bins > pick, hist, 0), 0)
-    return pick, need - above_excl
 
 
 @triton.jit
