@@ -53,8 +53,10 @@ class Semantics:
 
     @staticmethod
     def _allowed(mask, b, i, L, T):
-        if mask is None:  # causal, the queries are the last L positions
-            return [t for t in range(T) if t <= T - L + i]
+        if mask is None:
+            # transformers skips the mask only when SDPA's is_causal can stand in for it: for L > 1 that is
+            # top-left aligned causal attention (query i sees keys 0..i); a single query sees every key.
+            return [t for t in range(T) if t <= i] if L > 1 else list(range(T))
         row = mask[b if mask.shape[0] > 1 else 0, 0, i]
         if row.dtype == torch.bool:
             return [t for t in range(T) if bool(row[t])]
