@@ -324,8 +324,8 @@ def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, KSEL: tl.constexpr, KP: tl.c
     if NB <= NBR:
         keys = tl.load(KEYS_ROW + offs, mask=offs < NB, other=-1, cache_modifier=".cg")
         ncand = tl.sum((keys >= 0).to(tl.int32), 0)
-        for bit in tl.static_range(31):
-            trial = thr | (1 << (30 - bit))
+        for bit in range(31):
+            trial = thr | (tl.full([], 1, tl.int32) << (30 - bit))
             thr = tl.where(tl.sum((keys >= trial).to(tl.int32), 0) >= KSEL, trial, thr)
         ngt = tl.sum((keys > thr).to(tl.int32), 0)
     else:
@@ -333,8 +333,8 @@ def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, KSEL: tl.constexpr, KP: tl.c
         for c in range(0, NB, NBR):
             keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
             ncand += tl.sum((keys >= 0).to(tl.int32), 0)
-        for bit in tl.static_range(31):
-            trial = thr | (1 << (30 - bit))
+        for bit in range(31):
+            trial = thr | (tl.full([], 1, tl.int32) << (30 - bit))
             cnt = zero
             for c in range(0, NB, NBR):
                 keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
