@@ -43,10 +43,10 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     head_map.validate_for(model, config.strict)
 
     global_layers = probe_global_layers(model, config)
-    retrieval = head_map.effective(global_layers)
+    retrieval = head_map.effective(global_layers, config.first_layer_retrieval)
     counters = Counters()
     snapshots: list[str] = []
-    backend = make_backend(model, config, retrieval, counters, head_map.digest(), snapshots)
+    backend = make_backend(model, config, retrieval, head_map.streaming, counters, head_map.digest(), snapshots)
     _install(model, backend)
     setattr(model, _STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend,
                                             snapshots))

@@ -15,12 +15,12 @@ from .passes.snapshot import graph_snapshot
 log = logging.getLogger("lychee_compile")
 
 
-def make_backend(model, config, retrieval: torch.Tensor, counters: Counters, head_map_digest: str,
-                 snapshots: list[str]):
+def make_backend(model, config, retrieval: torch.Tensor, streaming: torch.Tensor, counters: Counters,
+                 head_map_digest: str, snapshots: list[str]):
     """snapshots: receives graph_snapshot() of every rewritten decode graph (tests and `lychee` debugging)."""
     def lychee_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         # kwargs: torch.compile / HF's CompileConfig pass mode= and options=; the spine ignores them.
-        ctx = run_passes(PassContext(gm, model, config, retrieval, counters))
+        ctx = run_passes(PassContext(gm, model, config, retrieval, counters, streaming=streaming))
         if ctx.is_decode and not ctx.aborted:
             snapshots.append(graph_snapshot(gm))
         log.info("lychee_compile: graph %d (%s): %d sites, %d rewritten in total", counters.graphs,

@@ -25,6 +25,9 @@ class LycheeConfig:
     sink_tokens: int = 16
     # Last `local_tokens` valid positions (incl. the current token) are always attended (their blocks).
     local_tokens: int = 64
+    # The first global layer is all retrieval (nothing precedes it). False only for baselines whose first layer
+    # must stay streaming (StreamingLLM); a sparse head there then inherits nothing.
+    first_layer_retrieval: bool = True
     # strict: any attention site that cannot be rewritten, or a head map that does not match, raises.
     # Non-strict: such problems are logged once and counted; the graph is then left dense as a whole.
     strict: bool = True
@@ -56,6 +59,8 @@ class LycheeConfig:
                 f"sink_tokens + local_tokens ({self.sink_tokens} + {self.local_tokens}) exceeds the budget "
                 f"({self.budget}): the always-attended tokens would cost more than the whole budget. "
                 "Lower them or raise the budget.")
+        if not isinstance(self.first_layer_retrieval, bool):
+            raise LycheeConfigError("LycheeConfig.first_layer_retrieval must be a bool.")
         if not isinstance(self.strict, bool):
             raise LycheeConfigError(f"LycheeConfig.strict must be a bool, got {self.strict!r}.")
         if self.backend not in ("inductor", "eager"):

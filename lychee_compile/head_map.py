@@ -1,5 +1,9 @@
 """HeadMap: which KV heads of which layers are retrieval heads. bool [num_layers, num_kv_heads], stored as safetensors.
 
+A head is one of three kinds: retrieval (attends everything, selects blocks), sparse (attends the previous global
+layer's selection for its KV head + sink + local; the default), or streaming (sink + local only, inherits nothing and
+passes on nothing -- StreamingLLM / DuoAttention baselines). `streaming` is an optional second bool map.
+
 Rows exist for every layer. Rows of sliding-window layers are ignored (those layers keep their own attention), and
 the first global layer is always all retrieval (nothing precedes it to inherit from); both facts are warned about,
 never hidden, when a map says otherwise.
@@ -51,34 +55,47 @@ def model_geometry(config) -> tuple[int, int]:
 class HeadMap:
     """retrieval: bool [num_layers, num_kv_heads]; metadata: str -> str (architecture, fingerprint, method, ...)."""
 
-    def __init__(self, retrieval: torch.Tensor, metadata: dict[str, str] | None = None):
+    def __init__(self, retrieval: torch.Tensor, metadata: dict[str, str] | None = None,
+                 streaming: torch.Tensor | None = None):
+        self.retrieval = self._as_bool_map(retrieval, "retrieval")
+        self.streaming = (torch.zeros_like(self.retrieval) if streaming is None
+                          else self._as_bool_map(streaming, "streaming"))
+        if self.streaming.shape != self.retrieval.shape:
+            raise HeadMapError(f"HeadMap.streaming has shape {tuple(self.streaming.shape)} but retrieval has "
+                               f"{tuple(self.retrieval.shape)}.")
+        if (self.streaming & self.retrieval).any():
+            raise HeadMapError("a head cannot be both retrieval and streaming; clear one of the two maps there.")
+        self.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}
+
+    @staticmethod
+    def _as_bool_map(retrieval, name: str) -> torch.Tensor:
         if not isinstance(retrieval, torch.Tensor):
-            raise HeadMapError(f"HeadMap(retrieval=...) takes a bool tensor [num_layers, num_kv_heads], "
+            raise HeadMapError(f"HeadMap({name}=...) takes a bool tensor [num_layers, num_kv_heads], "
                                f"got {type(retrieval).__name__}.")
         if retrieval.dtype != torch.bool:
             if retrieval.is_floating_point() and torch.isnan(retrieval).any():
-                raise HeadMapError("HeadMap.retrieval contains NaN; it must be bool (True = retrieval head).")
+                raise HeadMapError(f"HeadMap.{name} contains NaN; it must be bool (True = {name} head).")
             if not ((retrieval == 0) | (retrieval == 1)).all():
-                raise HeadMapError("HeadMap.retrieval must be bool (or 0/1 values); got values other than 0 and 1.")
+                raise HeadMapError(f"HeadMap.{name} must be bool (or 0/1 values); got values other than 0 and 1.")
             retrieval = retrieval.to(torch.bool)
         if retrieval.dim() != 2:
-            raise HeadMapError(f"HeadMap.retrieval must be 2-D [num_layers, num_kv_heads], got shape "
+            raise HeadMapError(f"HeadMap.{name} must be 2-D [num_layers, num_kv_heads], got shape "
                                f"{tuple(retrieval.shape)}.")
-        self.retrieval = retrieval.detach().cpu().contiguous()
-        self.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}
+        return retrieval.detach().cpu().contiguous()
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.retrieval.shape)
 
     def digest(self) -> str:
-        h = hashlib.sha256(self.retrieval.to(torch.uint8).numpy().tobytes())
+        h = hashlib.sha256((self.retrieval.to(torch.uint8) + 2 * self.streaming.to(torch.uint8)).numpy().tobytes())
         h.update(json.dumps(list(self.shape)).encode())
         return h.hexdigest()[:16]
 
     def __repr__(self) -> str:
         n = int(self.retrieval.sum())
         return (f"HeadMap({self.shape[0]} layers x {self.shape[1]} KV heads, {n} retrieval, "
+                f"{int(self.streaming.sum())} streaming, "
                 f"method={self.metadata.get('method', '?')})")
 
     # --- constructors -------------------------------------------------------------------------------------------
@@ -94,12 +111,15 @@ class HeadMap:
         meta = dict(self.metadata)
         meta.update(architecture=type(model).__name__, num_layers=str(self.shape[0]),
                     num_kv_heads=str(self.shape[1]), config_fingerprint=config_fingerprint(model.config))
-        return HeadMap(self.retrieval, meta)
+        return HeadMap(self.retrieval, meta, self.streaming)
 
     # --- persistence --------------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
         from safetensors.torch import save_file
-        save_file({"retrieval": self.retrieval.to(torch.uint8)}, os.fspath(path), metadata=self.metadata)
+        tensors = {"retrieval": self.retrieval.to(torch.uint8)}
+        if self.streaming.any():
+            tensors["streaming"] = self.streaming.to(torch.uint8)
+        save_file(tensors, os.fspath(path), metadata=self.metadata)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "HeadMap":
@@ -114,12 +134,13 @@ class HeadMap:
                     raise HeadMapError(f"{path!r} is a safetensors file but has no 'retrieval' tensor; "
                                        "write head maps with HeadMap.save().")
                 retrieval = f.get_tensor("retrieval")
+                streaming = f.get_tensor("streaming") if "streaming" in f.keys() else None
         except HeadMapError:
             raise
         except Exception as exc:  # safetensors raises its own error types for truncated / foreign files
             raise HeadMapError(f"{path!r} is not a readable safetensors head map ({exc}). "
                                "Recreate it with HeadMap.save().") from exc
-        return cls(retrieval, metadata)
+        return cls(retrieval, metadata, streaming)
 
     # --- validation against a model -----------------------------------------------------------------------------
     def validate_for(self, model, strict: bool) -> None:
@@ -141,12 +162,15 @@ class HeadMap:
                 raise HeadMapError(msg + " (LycheeConfig(strict=False) downgrades this to a warning.)")
             warnings.warn(msg, HeadMapWarning, stacklevel=3)
 
-    def effective(self, global_layers: list[int]) -> torch.Tensor:
-        """The map the ops use: rows of non-global layers are irrelevant, the first global layer is all retrieval.
+    def effective(self, global_layers: list[int], first_layer_retrieval: bool = True) -> torch.Tensor:
+        """The map the ops use: rows of non-global layers are irrelevant; the first global layer is all retrieval
+        unless `first_layer_retrieval=False` (baselines such as StreamingLLM).
 
         Warns when the stored map says otherwise, so nobody believes a row that has no effect.
         """
         eff = self.retrieval.clone()
+        if not first_layer_retrieval:
+            return eff
         ignored = [l for l in range(self.shape[0]) if l not in global_layers and bool(eff[l].any())]
         if ignored:
             warnings.warn(f"Head map rows of sliding-window layers {ignored} mark retrieval heads; sliding layers "

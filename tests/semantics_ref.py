@@ -9,6 +9,8 @@ transformers as an attention function ("lychee_semantics") so an uncompiled mode
     Sparse head: attention over valid tokens of S[l'][h] (previous global layer) plus sink and local blocks;
       S[l][h] = S[l'][h].
     Sink blocks: blocks of the first sink_tokens valid positions; local: of the last local_tokens valid positions.
+    Streaming head (streaming[l, h]): sink and local blocks only; S[l][h] = {} (it passes nothing on).
+    first_layer_retrieval=False: the first global layer follows the map like any other (baselines).
     Prefill and non-global layers: dense.
 """
 from __future__ import annotations
@@ -21,8 +23,11 @@ NAME = "lychee_semantics"
 
 
 class Semantics:
-    def __init__(self, retrieval, global_layers, budget, block_size, sink_tokens, local_tokens):
+    def __init__(self, retrieval, global_layers, budget, block_size, sink_tokens, local_tokens, streaming=None,
+                 first_layer_retrieval=True):
         self.retrieval = retrieval.tolist()
+        self.streaming = streaming.tolist() if streaming is not None else [[False] * len(r) for r in self.retrieval]
+        self.first_forced = first_layer_retrieval
         self.global_layers = list(global_layers)
         self.k = math.ceil(budget / block_size)
         self.bs, self.sink, self.local = block_size, sink_tokens, local_tokens
@@ -66,7 +71,7 @@ class Semantics:
         bs = self.bs
         sink_blocks = {t // bs for t in valid[:self.sink]}
         local_blocks = {t // bs for t in valid[len(valid) - self.local:]} if self.local > 0 else set()
-        is_retrieval = layer == self.global_layers[0] or self.retrieval[layer][h]
+        is_retrieval = (self.first_forced and layer == self.global_layers[0]) or self.retrieval[layer][h]
         if is_retrieval:
             token_score = {t: 0.0 for t in valid}
             for q in qs:
@@ -83,6 +88,8 @@ class Semantics:
             ranked = sorted(candidates, key=lambda blk: (-block_score[blk], blk))
             self.selection[(b, h)] = sorted(ranked[:self.k])
             return valid
+        if self.streaming[layer][h] or layer == self.global_layers[0]:
+            self.selection[(b, h)] = []
         keep = set(self.selection[(b, h)]) | sink_blocks | local_blocks
         return [t for t in valid if t // bs in keep]
 

@@ -75,6 +75,7 @@ class PassContext:
     config: object                   # LycheeConfig
     retrieval: object                # bool [num_layers, num_kv_heads], the effective head map (or None: probe)
     counters: Counters
+    streaming: object = None         # bool [num_layers, num_kv_heads] or None: heads that inherit nothing
     sites: list[Site] = dataclasses.field(default_factory=list)
     is_decode: bool | None = None
     rewrite: bool = True             # False: detect and check only (the probe in lychee_compile)

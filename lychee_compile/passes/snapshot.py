@@ -41,6 +41,9 @@ def _render(a, layer_of) -> str:
         name = a.target.__name__
         if name == "head_kinds":
             return "head_kinds(" + ",".join("R" if r else "S" for r in a.args[1]) + ")"
+        if name == "drop_inherited":
+            rows = ",".join("T" if r else "-" for r in a.args[1])
+            return f"drop_inherited({_render(a.args[0], layer_of)}, streaming={rows})"
         if name == "empty_index_state_like":
             return f"empty(K={a.args[1]})"
         inner = ",".join(_render(x, layer_of) for x in a.args if isinstance(x, torch.fx.Node) and x.op == "placeholder")

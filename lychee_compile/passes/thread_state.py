@@ -1,5 +1,7 @@
 """Pass `thread_state`: wire the index state from each rewritten op to the next, in layer order.
 
+A streaming head (HeadMap.streaming) attends sink + local only: its inherited row is replaced by EMPTY on the way
+in (drop_inherited), so as a sparse head it attends nothing else and passes EMPTY on.
 The first global layer's op gets a fresh EMPTY state (all its heads are retrieval heads, so it is read by no one);
 op l+1 reads op l's idx_out. The last idx_out is unused: no state lives across decode steps in the spine.
 Layout of the state: lychee_compile/ops/index_state.py.
@@ -21,13 +23,24 @@ def empty_index_state_like(k: torch.Tensor, num_select: int) -> torch.Tensor:
     return torch.full((k.shape[0], k.shape[1], num_select), EMPTY, dtype=INDEX_DTYPE, device=k.device)
 
 
+def drop_inherited(idx: torch.Tensor, streaming_row: tuple) -> torch.Tensor:
+    """idx int32 [B, Hkv, K] -> the same with the rows of streaming heads set to EMPTY."""
+    keep = ~torch.tensor(streaming_row, dtype=torch.bool, device=idx.device)[None, :, None]
+    return torch.where(keep, idx, torch.full_like(idx, EMPTY))
+
+
 def thread_index_state(ctx: PassContext) -> None:
-    ops = [s.op_node for s in sorted(ctx.sites, key=lambda s: s.layer_idx) if s.op_node is not None]
-    if not ops:
+    sites = [s for s in sorted(ctx.sites, key=lambda s: s.layer_idx) if s.op_node is not None]
+    if not sites:
         return
     graph = ctx.gm.graph
-    with graph.inserting_before(ops[0]):
-        state = graph.call_function(empty_index_state_like, (ops[0].args[1], ctx.config.num_select))
-    for op in ops:
+    with graph.inserting_before(sites[0].op_node):
+        state = graph.call_function(empty_index_state_like, (sites[0].op_node.args[1], ctx.config.num_select))
+    for site in sites:
+        op = site.op_node
+        row = ctx.streaming[site.layer_idx].tolist() if ctx.streaming is not None else []
+        if any(row):
+            with graph.inserting_before(op):
+                state = graph.call_function(drop_inherited, (state, tuple(bool(x) for x in row)))
         op.update_arg(IDX_IN, state)
         state = next(u for u in op.users if u.target is operator.getitem and u.args[1] == 1)
