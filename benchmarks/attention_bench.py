@@ -200,6 +200,13 @@ def bench_config(T, B, n_retr, budget, bw, variants=None, time_baselines=True, c
         if name == "ours" and parts:
             row["ours_split_ms"] = time_calls([s for s, _, _, _ in launchers])
             row["ours_combine_ms"] = time_calls([c for _, c, _, _ in launchers])
+            # the same combine with no retrieval head (merge + index copy only): selection ~ the difference
+            q, k, v = sets[0]
+            s_, c_, _, _ = make_launchers(q, k, v, valid, torch.zeros_like(retrieval), idx_in, scale, BS, SINK, LOCAL,
+                                          ws=ws, **kw)
+            s_()
+            row["ours_combine_nosel_ms"] = time_calls([c_])
+            row["selection_share"] = (row["ours_combine_ms"] - row["ours_combine_nosel_ms"]) / row["ours_ms"]
     if time_baselines:
         key = (T, B)
         if cache is not None and key in cache:
@@ -296,11 +303,13 @@ def main():
     if args.tune:
         variants = {
             "ours": {},
+            "s3x": dict(num_splits=3 * sms),
+            "s4x": dict(num_splits=4 * sms),
             "bn128": dict(block_n=128),
-            "bn128w8": dict(block_n=128, split_warps=8),
-            "s1x_bn128_st4": dict(num_splits=sms, block_n=128, split_stages=4),
-            "s1x_bn128_w8_st4": dict(num_splits=sms, block_n=128, split_warps=8, split_stages=4),
-            "cw16": dict(combine_warps=16),
+            "bn128_s3x": dict(block_n=128, num_splits=3 * sms),
+            "st4": dict(split_stages=4),
+            "st5_s3x": dict(split_stages=5, num_splits=3 * sms),
+            "cw8": dict(combine_warps=8),
         }
         for T, B, nr, bud in [(131072, 1, 2, 4096)]:
             r = bench_config(T, B, nr, bud, bw, variants=variants, time_baselines=False)

@@ -134,3 +134,18 @@ def test_kernel_gpu(G, D):
     args = make_case(2, 4, G, D, T, torch.bfloat16, 16, 64, 16, 64, [(0, T), (901, T)],
                      [True, False, False, True], device="cuda")
     check(*args, D ** -0.5, 16, 16, 64)
+
+
+def test_kernel_ties_prefer_lower_blocks():
+    # identical keys -> every full candidate block has exactly the same score: the lower blocks must win
+    B, Hkv, G, D, T, K = 1, 2, 2, 64, 256, 4
+    q = torch.randn(B, Hkv * G, 1, D).to(torch.bfloat16)
+    k = torch.randn(1, 1, 1, D).expand(B, Hkv, T, D).contiguous().to(torch.bfloat16)
+    v = torch.randn(B, Hkv, T, D).to(torch.bfloat16)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    valid[:, 8:] = True
+    retr = torch.tensor([True, False])
+    idx_in = torch.full((B, Hkv, K), -1, dtype=torch.int32)
+    out, idx = check(q, k, v, valid, retr, idx_in, 0.125, 16, 16, 32, num_splits=3)
+    # block 0 is partial (score lower), block 1 holds sink tokens, blocks 14..15 local: first full candidates win
+    assert idx[0, 0].tolist() == [2, 3, 4, 5]

@@ -95,7 +95,7 @@ def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size,
     choices = []
     err = combine_t.maybe_append_choice(choices, input_nodes=combine_inputs, layout=out_layout,
                                         mutated_inputs=[idx_out, keys, cnt], call_sizes=[B, T], num_stages=1,
-                                        num_warps=8, **cp)
+                                        num_warps=16, **cp)
     if not choices:
         raise RuntimeError(f"lychee hybrid_decode combine template failed: {err}")
     out = compat.select_one("lychee_hybrid_combine", choices, combine_inputs, out_layout)

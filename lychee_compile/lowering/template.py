@@ -324,9 +324,17 @@ def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, KSEL: tl.constexpr, KP: tl.c
     if NB <= NBR:
         keys = tl.load(KEYS_ROW + offs, mask=offs < NB, other=-1, cache_modifier=".cg")
         ncand = tl.sum((keys >= 0).to(tl.int32), 0)
-        for bit in range(31):
-            trial = thr | (tl.full([], 1, tl.int32) << (30 - bit))
-            thr = tl.where(tl.sum((keys >= trial).to(tl.int32), 0) >= KSEL, trial, thr)
+        # two bits per pass (three independent counts), bits 30..1, then bit 0
+        for i in range(15):
+            sh = 29 - 2 * i
+            one = tl.full([], 1, tl.int32) << sh
+            c1 = tl.sum((keys >= (thr | one)).to(tl.int32), 0)
+            c2 = tl.sum((keys >= (thr | (one * 2))).to(tl.int32), 0)
+            c3 = tl.sum((keys >= (thr | (one * 3))).to(tl.int32), 0)
+            d = (c1 >= KSEL).to(tl.int32) + (c2 >= KSEL).to(tl.int32) + (c3 >= KSEL).to(tl.int32)
+            thr = thr | (d << sh)
+        c0 = tl.sum((keys >= (thr | 1)).to(tl.int32), 0)
+        thr = tl.where(c0 >= KSEL, thr | 1, thr)
         ngt = tl.sum((keys > thr).to(tl.int32), 0)
     else:
         ncand = zero
@@ -538,7 +546,7 @@ def _arg_values(args, tensors):
 
 def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, out=None,
                    idx_out=None, num_splits=None, block_n=64, nbr_max=16384, ws=None, split_warps=4,
-                   split_stages=3, combine_warps=8):
+                   split_stages=3, combine_warps=16):
     """Bind both kernels to fixed buffers: returns (split(), combine(), out, idx_out). Nothing is allocated per
     call, so the pair can be captured in a CUDA graph."""
     import torch
