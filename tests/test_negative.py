@@ -118,3 +118,42 @@ def test_non_strict_fingerprint_mismatch_warns_and_compiles():
     with pytest.warns(UserWarning, match="made for another model"):
         lychee_compile(model, HeadMap.for_model(make("qwen3")), LycheeConfig(backend="eager", strict=False))
     assert model._lychee_state.counters.graphs == 0   # compiled lazily, on the first decode step
+
+
+def _bloom_alibi():
+    from transformers import BloomConfig, BloomForCausalLM
+    torch.manual_seed(0)
+    return BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4)).eval()
+
+
+def _t5_encoder_decoder():
+    from transformers import T5Config, T5ForConditionalGeneration
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=64, num_layers=2,
+                                               num_heads=4)).eval()
+
+
+def _llama_output_attentions():
+    model = make("llama", "eager")
+    model.config.output_attentions = True
+    return model
+
+
+def _llama_training():
+    return make("llama").train()
+
+
+@pytest.mark.parametrize("make_model,message", [
+    (_bloom_alibi, "no attention found"),                      # ALiBi through baddbmm: not a form we reproduce
+    (_t5_encoder_decoder, "encoder-decoder"),
+    (_llama_output_attentions, "output_attentions=True"),
+    (_llama_training, "training mode"),
+], ids=["alibi-bloom", "encoder-decoder", "output-attentions", "training"])
+def test_unsupported_models_are_refused_and_untouched(make_model, message):
+    model = make_model()
+    gen_before = copy.deepcopy(model.generation_config.to_dict())
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(LycheeCompileError, match=message):
+        lychee_compile(model, HeadMap.for_model(model), LycheeConfig(backend="eager"))
+    assert model.generation_config.to_dict() == gen_before and not hasattr(model, "_lychee_state")
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
