@@ -9,6 +9,7 @@ Order of work, so that bad input never leaves a half-changed model:
 """
 from __future__ import annotations
 
+import logging
 import os
 import types
 
@@ -20,6 +21,7 @@ from .head_map import HeadMap, HeadMapError
 from .passes import Counters, LycheeCompileError, PassContext, run_passes
 
 _STATE_ATTR = "_lychee_state"
+log = logging.getLogger("lychee_compile")
 
 
 class LycheeState:
@@ -48,6 +50,7 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     snapshots: list[str] = []
     backend = make_backend(model, config, retrieval, head_map.streaming, counters, head_map.digest(), snapshots)
     _install(model, backend)
+    _guard_generate(model, counters, config.strict)
     setattr(model, _STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend,
                                             snapshots))
     return model
@@ -130,6 +133,32 @@ def _unwrap(exc: BaseException) -> BaseException:
     while inner is not None and not isinstance(inner, (LycheeCompileError, HeadMapError, LycheeConfigError)):
         inner = inner.__cause__ or getattr(inner, "inner_exception", None)
     return inner if inner is not None else exc
+
+
+def _guard_generate(model, counters, strict: bool) -> None:
+    """Wrap the instance's generate() so a call whose decode steps bypassed the rewrite (a dynamic cache, compile
+    disabled, a generation mode HF does not compile) never passes silently as lychee output."""
+    inner = model.generate
+
+    def generate(*args, **kwargs):
+        before = counters.decode_calls
+        out = inner(*args, **kwargs)
+        sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+        prompt = args[0] if args else kwargs.get("input_ids")
+        new_tokens = (sequences.shape[-1] - prompt.shape[-1]) if (
+            isinstance(sequences, torch.Tensor) and isinstance(prompt, torch.Tensor)) else 0
+        if new_tokens > 1 and counters.decode_calls == before:
+            counters.generate_calls_dense += 1
+            message = ("generate() produced its tokens without the lychee decode step (it ran dense): transformers "
+                       "did not compile the decode step -- keep the static cache lychee_compile set (no "
+                       "cache_implementation / past_key_values overrides) and leave compilation enabled.")
+            if strict:
+                raise LycheeCompileError(message)
+            log.warning("lychee_compile: %s", message)
+        return out
+
+    generate.__doc__ = inner.__doc__
+    model.generate = generate
 
 
 def _install(model, backend) -> None:

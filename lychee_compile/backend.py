@@ -25,9 +25,14 @@ def make_backend(model, config, retrieval: torch.Tensor, streaming: torch.Tensor
             snapshots.append(graph_snapshot(gm))
         log.info("lychee_compile: graph %d (%s): %d sites, %d rewritten in total", counters.graphs,
                  "decode" if ctx.is_decode else "prefill", len(ctx.sites), counters.sites_rewritten)
-        if config.backend == "eager":
-            return gm.forward
-        return _inductor(gm, example_inputs)
+        compiled = gm.forward if config.backend == "eager" else _inductor(gm, example_inputs)
+        if not (ctx.is_decode and not ctx.aborted):
+            return compiled
+
+        def rewritten_decode_step(*args):
+            counters.decode_calls += 1     # lets generate() prove its decode steps ran the rewrite
+            return compiled(*args)
+        return rewritten_decode_step
 
     lychee_backend.__name__ = f"lychee_backend_{config.cache_key()}_{head_map_digest}"
     return lychee_backend

@@ -157,3 +157,13 @@ def test_unsupported_models_are_refused_and_untouched(make_model, message):
         lychee_compile(model, HeadMap.for_model(model), LycheeConfig(backend="eager"))
     assert model.generation_config.to_dict() == gen_before and not hasattr(model, "_lychee_state")
     assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+def test_generate_that_bypasses_the_rewrite_is_not_silent():
+    model = make("llama")
+    lychee_compile(model, HeadMap.for_model(model), LycheeConfig(backend="eager"))
+    ids, mask = make_batch(lengths=(6,))
+    with pytest.raises(LycheeCompileError, match="without the lychee decode step"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, cache_implementation="dynamic")
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3)
+    assert out.shape[1] == ids.shape[1] + 3 and model._lychee_state.counters.decode_calls == 2

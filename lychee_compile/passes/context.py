@@ -62,6 +62,8 @@ class Counters:
     sites_sliding: int = 0
     sites_refused: int = 0
     graphs_left_dense: int = 0
+    decode_calls: int = 0            # runtime: calls of a rewritten decode graph (generate() checks it moved)
+    generate_calls_dense: int = 0    # runtime: generate() calls whose decode steps never reached the rewrite
     reasons: list[str] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
