@@ -14,10 +14,12 @@ Two launches per layer:
      pool and its cut into NUM_SPLITS equal slices are computed on the device by every program: no host sync, one
      compiled kernel for every layer and head map. A slice writes one partial (max, sum, acc) per segment it
      touches; retrieval tiles also write the log-sum-exp of each KV block per query head (for block scores).
-  2. COMBINE grid (B * HKV,): merges a segment's partials into the output, and for a retrieval head turns the
-     per-block log-sum-exps into block scores normalised by the row's global log-sum-exp, then selects the top
-     KSEL candidate blocks (exact radix/binary search on the fp32 bit pattern, ties to the lower block) and writes
-     them sorted ascending, EMPTY-padded; a sparse head copies its index row through.
+  2. COMBINE grid (B * HKV, G + ceil(NB / KC)): programs (seg, g < G) merge query head g's partials into the
+     output; for a retrieval head, programs (seg, G + c) turn blocks [c*KC, (c+1)*KC) into selection keys (block
+     score = sum over the G query heads of exp2(block lse - row lse), normalised by the row's global log-sum-exp
+     rebuilt from the partials) and the last of them to finish (atomic ticket, zeroed by the split launch) selects
+     the top KSEL candidate blocks exactly (counting passes over the fp32 bit pattern, ties to the lower block),
+     sorted ascending, EMPTY-padded; for a sparse head program (seg, G) copies its index row through.
 
 Preconditions (documented, not checked on the device): each row's valid positions are one contiguous range
 (left padding: [pad_b, pos+1)); idx_in rows hold distinct blocks (the index-state invariant).
