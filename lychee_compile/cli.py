@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=demo)
     from .training.cli import add_parser as _add_train_heads  # `lychee train-heads` (lychee_compile/training/)
     _add_train_heads(sub)
+    from .eval.cli import add_parser as _add_eval  # `lychee eval` (lychee_compile/eval/)
+    _add_eval(sub)
     return parser
 
 

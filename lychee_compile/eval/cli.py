@@ -1,0 +1,103 @@
+"""`lychee eval`: quality of methods x budgets on SmolLM2-135M-Instruct through the compiled decode path.
+
+    lychee eval --task passkey --method dense,lychee,streamingllm,duo,random --budget 256,512 \
+        --lengths 2048 --trials 2 --out eval_out
+    lychee eval --task repeat --method dense,lychee --budget 512 --length 2048 --prompts 4 --score-tokens 32
+
+Each prompt is prefilled once, densely; every method scores a copy of that cache with teacher-forced decode steps
+through the callable generate() compiles (see lychee_compile/eval/scoring.py). Writes TASK.json (every record,
+settings, compile counters) and TASK.md (table with 95% intervals) to --out, and passkey heatmaps per method.
+Methods: dense, lychee, tidal, streamingllm, duo, random (quest: not available, see eval/methods.py).
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+
+def add_parser(sub) -> None:
+    from .methods import METHODS, UNAVAILABLE
+    from .tasks import DEPTHS, NOT_DONE_TASKS, TASKS
+    p = sub.add_parser("eval", help="quality of methods x budgets on the real model (passkey, repeat, ppl)",
+                       description=__doc__.split("\n\n", 1)[1].strip(),
+                       epilog="not available: " + "; ".join(f"{k}: {v}" for k, v in {**UNAVAILABLE,
+                                                                                      **NOT_DONE_TASKS}.items()))
+    p.add_argument("--task", choices=sorted(TASKS), required=True)
+    p.add_argument("--method", default="dense,lychee",
+                   help=f"comma-separated, from {','.join(METHODS)} (default dense,lychee)")
+    p.add_argument("--budget", default="512", help="comma-separated token budgets (default 512)")
+    p.add_argument("--head-map", help="HeadMap file for lychee/duo/random (default: the shipped learned map, "
+                                      "else the placeholder layers 0,1,15)")
+    p.add_argument("--lengths", default="2048", help="passkey: comma-separated context lengths (default 2048)")
+    p.add_argument("--depths", default=",".join(f"{d:g}" for d in DEPTHS), help="passkey: comma-separated depths")
+    p.add_argument("--trials", type=int, default=1, help="passkey: prompts per (length, depth) cell (default 1)")
+    p.add_argument("--length", type=int, default=2048, help="repeat/ppl: prefilled tokens (default 2048)")
+    p.add_argument("--prompts", type=int, default=4, help="repeat/ppl: number of segments (default 4)")
+    p.add_argument("--score-tokens", type=int, default=32, help="repeat/ppl: tokens scored by decode steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--random-seed", type=int, default=0, help="seed of the random head map")
+    p.add_argument("--backend", choices=("eager", "inductor"), default="eager",
+                   help="LycheeConfig.backend (default eager: same numbers, much faster to build on CPU)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="eval_out", help="output folder (default eval_out)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def run(args) -> int:
+    import torch
+
+    from ..head_map import HeadMap
+    from ..real_model import RealModelUnavailable, load_smollm2
+    from .methods import MethodError, default_head_map, method_spec
+    from .runner import markdown_table, run_eval, summarize, write_outputs
+    from .tasks import passkey_items, repeat_items, text_items
+
+    torch.set_num_threads(args.threads)
+    try:
+        model, tok = load_smollm2(progress=not args.no_progress)
+    except RealModelUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.head_map:
+        hm, where = HeadMap.load(args.head_map), f"loaded from {args.head_map}"
+    else:
+        hm, where = default_head_map(model)
+    methods = [m.strip() for m in args.method.split(",") if m.strip()]
+    budgets = _ints(args.budget)
+    try:
+        specs = []
+        for m in methods:
+            if m == "dense":
+                specs.append(method_spec("dense", model, budgets[0]))
+                continue
+            for b in budgets:
+                specs.append(method_spec(m, model, b, hm, backend=args.backend, seed=args.random_seed))
+    except MethodError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.task == "passkey":
+        items = passkey_items(tok, _ints(args.lengths), [float(d) for d in args.depths.split(",")], args.trials,
+                              args.seed)
+    elif args.task == "repeat":
+        items = repeat_items(tok, args.length, args.prompts, args.score_tokens, args.seed)
+    else:
+        items = text_items(tok, args.length, args.prompts, args.score_tokens, args.seed)
+    print(f"lychee eval: task {args.task}, {len(items)} prompts x {len(specs)} variants; head map: {where}",
+          flush=True)
+    for s in specs:
+        print(f"  {s.label}: {s.description}")
+    t0 = time.perf_counter()
+    results = run_eval(model, tok, items, specs, progress=not args.no_progress, task=args.task)
+    results["settings"] = dict(vars(args), func=None, head_map_source=where, threads=args.threads,
+                               torch=torch.__version__, items=len(items))
+    summary = summarize(results)
+    paths = write_outputs(results, summary, args.out)
+    print(markdown_table(summary, args.task))
+    print(f"wrote {paths['json']} and {paths['md']}" + (f" and {len(paths['png'])} heatmaps" if "png" in paths else "")
+          + f" ({time.perf_counter() - t0:.0f} s)")
+    return 0

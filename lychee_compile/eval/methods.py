@@ -1,0 +1,141 @@
+"""Methods of the evaluation harness: how each one maps to a (HeadMap, LycheeConfig) of the same machinery.
+
+    spec = method_spec("duo", model, budget=512, head_map=hm)    # -> MethodSpec(head_map, config, description)
+
+Every sparse method runs through `lychee_compile` with the `lychee::hybrid_decode` op; none is a copy of another
+project's code. Equal budget means equal tokens attended per non-retrieval head:
+
+| method       | retrieval heads                               | other heads                                  | first layer |
+|--------------|-----------------------------------------------|----------------------------------------------|-------------|
+| dense        | (uncompiled model)                            |                                              |             |
+| lychee       | the given head map                            | sparse: sink + local + inherited blocks      | forced all retrieval |
+| tidal        | whole layers (default 0, 1, 2 and 13/32 of depth: TidalDecode's full layers 0-1, selection layer 2, re-selection layer) | sparse | forced |
+| streamingllm | none                                          | streaming: sink + window of budget - sink    | not forced (streaming too) |
+| duo          | the given map's retrieval heads (full context) | streaming: sink + window of budget - sink   | not forced  |
+| random       | same count as the given map beyond layer 0, placed at random (seeded) | sparse                   | forced      |
+| quest        | NOT AVAILABLE: see UNAVAILABLE                |                                              |             |
+
+A retrieval head attends the whole context (and selects blocks for the sparse heads after it), so DuoAttention's
+"retrieval heads keep full attention" is exactly a lychee retrieval head.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from importlib import resources
+
+import torch
+
+from ..config import LycheeConfig
+from ..head_map import HeadMap, model_geometry
+
+METHODS = ("dense", "lychee", "tidal", "streamingllm", "duo", "random")
+UNAVAILABLE = {
+    "quest": ("Quest selects blocks per head from per-block min/max key descriptors kept in the KV cache "
+              "(sum_i max(q_i*kmin_i, q_i*kmax_i)); those descriptors do not exist yet (issue 7 builds them), "
+              "so Quest is not implemented."),
+}
+LEARNED_MAP = "smollm2-135m.safetensors"        # lychee_compile/data/, shipped by the head-map work (issue 5)
+PLACEHOLDER_LAYERS = (0, 1, 15)                 # the demo's placeholder (cli.PLACEHOLDER_LAYERS)
+
+
+class MethodError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    head_map: HeadMap | None        # None: dense (the uncompiled model)
+    config: LycheeConfig | None
+    description: str
+
+    @property
+    def label(self) -> str:
+        return self.name if self.config is None else f"{self.name}@{self.config.budget}"
+
+
+def default_head_map(model) -> tuple[HeadMap, str]:
+    """The learned map shipped in lychee_compile/data if there is one for this model, else the demo's placeholder
+    (whole layers 0, 1 and the middle one). Returns (map, where it came from)."""
+    path = resources.files("lychee_compile").joinpath("data", LEARNED_MAP)
+    if os.path.exists(str(path)):
+        hm = HeadMap.load(str(path))
+        if hm.shape == model_geometry(model.config):
+            return hm, f"learned map {LEARNED_MAP} ({hm!r})"
+    n_layers = model.config.num_hidden_layers
+    layers = sorted({l for l in PLACEHOLDER_LAYERS if l < n_layers} | {n_layers // 2})
+    hm = HeadMap.for_model(model, layers=layers, method="placeholder-layers")
+    return hm, f"PLACEHOLDER map (no learned map shipped): whole layers {layers} retrieval"
+
+
+def tidal_layers(n_layers: int) -> list[int]:
+    """TidalDecode on Llama-3-8B (32 layers): full layers 0, 1; selection at layer 2; re-selection at layer 13."""
+    return sorted({l for l in (0, 1, 2, round(13 * n_layers / 32)) if l < n_layers})
+
+
+def random_map(model, count: int, seed: int = 0) -> HeadMap:
+    """`count` retrieval heads placed uniformly at random in layers 1.. (layer 0 is all retrieval anyway)."""
+    n_layers, n_kv = model_geometry(model.config)
+    slots = (n_layers - 1) * n_kv
+    if not 0 <= count <= slots:
+        raise MethodError(f"random map: {count} retrieval heads do not fit in {slots} slots beyond layer 0")
+    g = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(slots, generator=g)[:count]
+    retrieval = torch.zeros(n_layers, n_kv, dtype=torch.bool)
+    retrieval[0] = True
+    flat = retrieval[1:].reshape(-1).clone()
+    flat[chosen] = True
+    retrieval[1:] = flat.view(n_layers - 1, n_kv)
+    return HeadMap(retrieval, {"method": "random", "seed": str(seed), "count": str(count)}).with_model_metadata(model)
+
+
+def retrieval_count_beyond_first(head_map: HeadMap) -> int:
+    return int(head_map.retrieval[1:].sum())
+
+
+def method_spec(name: str, model, budget: int, head_map: HeadMap | None = None, *, block_size: int = 16,
+                sink_tokens: int = 16, local_tokens: int = 64, backend: str = "eager", seed: int = 0,
+                layers: list[int] | None = None) -> MethodSpec:
+    """The (HeadMap, LycheeConfig) of method `name` at `budget` tokens. `head_map`: the map lychee, duo and random
+    start from (default: default_head_map(model)); `layers`: tidal's whole retrieval layers."""
+    if name in UNAVAILABLE:
+        raise MethodError(f"method {name!r} is not available: {UNAVAILABLE[name]}")
+    if name not in METHODS:
+        raise MethodError(f"unknown method {name!r}; available: {', '.join(METHODS)} "
+                          f"(not available: {', '.join(UNAVAILABLE)})")
+    if name == "dense":
+        return MethodSpec("dense", None, None, "dense attention, uncompiled model")
+    if head_map is None and name in ("lychee", "duo", "random"):
+        head_map, _ = default_head_map(model)
+    base = dict(budget=budget, block_size=block_size, sink_tokens=sink_tokens, backend=backend)
+    n_layers, n_kv = model_geometry(model.config)
+    if name == "lychee":
+        cfg = LycheeConfig(local_tokens=local_tokens, **base)
+        return MethodSpec(name, head_map, cfg, f"given map ({int(head_map.retrieval.sum())} retrieval heads, "
+                                               f"method={head_map.metadata.get('method', '?')}), sparse others")
+    if name == "tidal":
+        layers = tidal_layers(n_layers) if layers is None else sorted(layers)
+        hm = HeadMap.for_model(model, layers=layers, method="tidal-layers")
+        return MethodSpec(name, hm, LycheeConfig(local_tokens=local_tokens, **base),
+                          f"whole layers {layers} retrieval, every other layer reuses their selection")
+    if name == "random":
+        count = retrieval_count_beyond_first(head_map)
+        hm = random_map(model, count, seed)
+        return MethodSpec(name, hm, LycheeConfig(local_tokens=local_tokens, **base),
+                          f"{count} random retrieval heads beyond layer 0 (seed {seed}), sparse others")
+    # Streaming heads attend sink + a local window; at equal budget the window is budget - sink.
+    window = budget - sink_tokens
+    if window <= 0:
+        raise MethodError(f"budget {budget} leaves no local window after {sink_tokens} sink tokens")
+    cfg = LycheeConfig(local_tokens=window, first_layer_retrieval=False, **base)
+    if name == "streamingllm":
+        hm = HeadMap(torch.zeros(n_layers, n_kv, dtype=torch.bool), {"method": "streamingllm"},
+                     streaming=torch.ones(n_layers, n_kv, dtype=torch.bool)).with_model_metadata(model)
+        return MethodSpec(name, hm, cfg, f"every head streaming: {sink_tokens} sink + {window} local tokens")
+    # duo
+    retrieval = head_map.retrieval.clone()
+    hm = HeadMap(retrieval, {"method": "duo", "from": head_map.metadata.get("method", "?")},
+                 streaming=~retrieval).with_model_metadata(model)
+    return MethodSpec(name, hm, cfg, f"{int(retrieval.sum())} retrieval heads full, others streaming "
+                                     f"({sink_tokens} sink + {window} local)")

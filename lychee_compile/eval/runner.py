@@ -1,0 +1,178 @@
+"""Run a task over methods x budgets with one dense prefill per prompt, and summarize.
+
+    results = run_eval(model, tokenizer, items, specs)       # records: one per (item, method@budget)
+    summary = summarize(results)                               # per variant: accuracy / perplexity with 95% CIs
+    write_outputs(results, summary, out_dir)                  # results.json, results.md, heatmaps
+
+Prompt-major: each prompt is prefilled once (dense, eager), then every variant scores a copy of that cache, so all
+methods see the same prompts (paired) and the prefill cost is paid once.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+from . import stats
+from .methods import MethodSpec
+from .scoring import Variant, configure_dynamo, dense_prefill
+
+
+def run_eval(model, tokenizer, items, specs: list[MethodSpec], progress: bool = True, log=None,
+             task: str = "?") -> dict:
+    from tqdm.auto import tqdm
+
+    configure_dynamo()
+    variants = [Variant.build(model, spec) for spec in specs]
+    records = []
+    started = time.perf_counter()
+    compile_s = {}
+    bar = tqdm(total=len(items) * len(variants), desc=f"{task}", unit="score", disable=not progress, dynamic_ncols=True)
+    for ii, item in enumerate(items):
+        t0 = time.perf_counter()
+        pre = dense_prefill(model, item.input_ids, item.max_cache_len)
+        prefill_s = time.perf_counter() - t0
+        for v in variants:
+            bar.set_postfix_str(f"prompt {ii + 1}/{len(items)} {v.label}")
+            t0 = time.perf_counter()
+            s = v.score(pre, item.targets)
+            dt = time.perf_counter() - t0
+            if ii == 0:
+                compile_s[v.label] = round(dt, 2)   # includes the first compile
+            records.append(dict(item=ii, method=v.spec.name, budget=None if v.spec.config is None else v.spec.config.budget,
+                                label=v.label, nll=s.nll, hit_rate=sum(s.hits) / len(s.hits), all_hit=s.all_hit,
+                                n_targets=len(item.targets), score_s=round(dt, 3), prefill_s=round(prefill_s, 3),
+                                **item.meta))
+            bar.update(1)
+        del pre
+    bar.close()
+    counters = {}
+    for v in variants:
+        c = v.counters()
+        if c is not None:
+            v.check_sparse()
+            counters[v.label] = dict(graphs=c.graphs, decode_graphs=c.decode_graphs, sites_rewritten=c.sites_rewritten,
+                                     graphs_left_dense=c.graphs_left_dense)
+    return dict(task=task, records=records, counters=counters, first_item_s=compile_s,
+                variants=[dict(label=v.label, method=v.spec.name, description=v.spec.description,
+                               budget=None if v.spec.config is None else v.spec.config.budget,
+                               config=None if v.spec.config is None else _cfg_dict(v.spec.config),
+                               head_map_digest=None if v.spec.head_map is None else v.spec.head_map.digest(),
+                               retrieval_heads=None if v.spec.head_map is None else int(v.spec.head_map.retrieval.sum()),
+                               streaming_heads=None if v.spec.head_map is None else int(v.spec.head_map.streaming.sum()))
+                          for v in variants],
+                wall_s=round(time.perf_counter() - started, 1))
+
+
+def _cfg_dict(cfg) -> dict:
+    import dataclasses
+    return dataclasses.asdict(cfg)
+
+
+def summarize(results: dict, reference: str = "dense") -> list[dict]:
+    """Per variant: n prompts, accuracy (all targets argmax) + Wilson CI, perplexity + bootstrap CI, and the paired
+    difference to `reference` (accuracy points and perplexity ratio) with bootstrap CIs."""
+    by_label: dict[str, dict[int, dict]] = {}
+    for r in results["records"]:
+        by_label.setdefault(r["label"], {})[r["item"]] = r
+    ref = by_label.get(reference)
+    rows = []
+    for v in results["variants"]:
+        recs = by_label.get(v["label"], {})
+        items = sorted(recs)
+        hits = [recs[i]["all_hit"] for i in items]
+        nlls = [recs[i]["nll"] for i in items]
+        k, n = sum(hits), len(hits)
+        row = dict(label=v["label"], method=v["method"], budget=v["budget"], n=n, correct=k,
+                   accuracy=k / n if n else float("nan"), accuracy_ci=stats.wilson(k, n),
+                   ppl=stats.ppl_of(nlls), ppl_ci=tuple(math.exp(x) for x in stats.bootstrap(nlls, stats.mean)),
+                   token_hit_rate=stats.mean(recs[i]["hit_rate"] for i in items))
+        if ref is not None and v["label"] != reference:
+            pairs = [(recs[i], ref[i]) for i in items if i in ref]
+            row["acc_diff_vs_ref"] = stats.mean(float(a["all_hit"]) - float(b["all_hit"]) for a, b in pairs)
+            row["acc_diff_ci"] = stats.bootstrap(pairs, lambda ps: stats.mean(float(a["all_hit"]) - float(b["all_hit"])
+                                                                             for a, b in ps))
+            row["ppl_ratio_vs_ref"] = math.exp(stats.mean(a["nll"] - b["nll"] for a, b in pairs))
+            row["ppl_ratio_ci"] = tuple(math.exp(x) for x in stats.bootstrap(
+                pairs, lambda ps: stats.mean(a["nll"] - b["nll"] for a, b in ps)))
+        rows.append(row)
+    return rows
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None or x != x else f"{100 * x:.1f}"
+
+
+def markdown_table(summary: list[dict], task: str) -> str:
+    if task == "passkey":
+        head = "| method | budget | n | accuracy % [95% CI] | Δ vs dense, points [95% CI] | answer-token hit % |\n|---|---|---|---|---|---|\n"
+        lines = [f"| {r['method']} | {r['budget'] or '-'} | {r['n']} | {_pct(r['accuracy'])} "
+                 f"[{_pct(r['accuracy_ci'][0])}, {_pct(r['accuracy_ci'][1])}] | "
+                 + (f"{100 * r['acc_diff_vs_ref']:+.1f} [{100 * r['acc_diff_ci'][0]:+.1f}, {100 * r['acc_diff_ci'][1]:+.1f}]"
+                    if "acc_diff_vs_ref" in r else "-")
+                 + f" | {_pct(r['token_hit_rate'])} |" for r in summary]
+    else:
+        head = "| method | budget | n | perplexity [95% CI] | ratio vs dense [95% CI] | token hit % |\n|---|---|---|---|---|---|\n"
+        lines = [f"| {r['method']} | {r['budget'] or '-'} | {r['n']} | {r['ppl']:.3f} "
+                 f"[{r['ppl_ci'][0]:.3f}, {r['ppl_ci'][1]:.3f}] | "
+                 + (f"{r['ppl_ratio_vs_ref']:.3f} [{r['ppl_ratio_ci'][0]:.3f}, {r['ppl_ratio_ci'][1]:.3f}]"
+                    if "ppl_ratio_vs_ref" in r else "-")
+                 + f" | {_pct(r['token_hit_rate'])} |" for r in summary]
+    return head + "\n".join(lines) + "\n"
+
+
+def passkey_grid(results: dict, label: str) -> tuple[list, list, list[list[float]], list[list[int]]]:
+    """(lengths, depths, accuracy[length][depth], n[length][depth]) of one variant."""
+    recs = [r for r in results["records"] if r["label"] == label]
+    lengths = sorted({r["length"] for r in recs})
+    depths = sorted({r["depth"] for r in recs})
+    acc = [[float("nan")] * len(depths) for _ in lengths]
+    cnt = [[0] * len(depths) for _ in lengths]
+    for li, L in enumerate(lengths):
+        for di, d in enumerate(depths):
+            cell = [r["all_hit"] for r in recs if r["length"] == L and r["depth"] == d]
+            cnt[li][di] = len(cell)
+            if cell:
+                acc[li][di] = sum(cell) / len(cell)
+    return lengths, depths, acc, cnt
+
+
+def plot_heatmap(results: dict, label: str, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths, depths, acc, cnt = passkey_grid(results, label)
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(depths), 1.2 + 0.6 * len(lengths)))
+    im = ax.imshow(acc, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_yticks(range(len(lengths)), [str(L) for L in lengths])
+    ax.set_xlabel("needle depth")
+    ax.set_ylabel("context tokens")
+    for li in range(len(lengths)):
+        for di in range(len(depths)):
+            if cnt[li][di]:
+                ax.text(di, li, f"{100 * acc[li][di]:.0f}%\nn={cnt[li][di]}", ha="center", va="center", fontsize=7)
+    ax.set_title(f"passkey accuracy: {label}", fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.05)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_outputs(results: dict, summary: list[dict], out_dir: str, heatmaps: bool = True) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    task = results["task"]
+    paths = {"json": os.path.join(out_dir, f"{task}.json"), "md": os.path.join(out_dir, f"{task}.md")}
+    with open(paths["json"], "w") as f:
+        json.dump(dict(results, summary=summary), f, indent=1)
+    md = markdown_table(summary, task)
+    with open(paths["md"], "w") as f:
+        f.write(md)
+    if heatmaps and task == "passkey":
+        for v in results["variants"]:
+            p = os.path.join(out_dir, f"passkey_{v['label'].replace('@', '_')}.png")
+            plot_heatmap(results, v["label"], p)
+            paths.setdefault("png", []).append(p)
+    return paths

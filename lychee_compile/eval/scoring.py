@@ -1,0 +1,137 @@
+"""Teacher-forced scoring through the compiled decode path.
+
+    base = model (never compiled); prefill = dense_prefill(base, input_ids, max_cache_len)      # once per prompt
+    variant = Variant.build(base, spec)        # a weight-sharing copy of base, through lychee_compile(spec)
+    scores = variant.score(prefill, target_ids) # copy of the cache, one compiled decode step per target token
+
+The prefill is dense, eager and identical for every method (HF generate does the same: only decode steps are
+compiled). Each target token after the first is fed back as the input of a decode step through
+`model.get_compiled_call(model.generation_config.compile_config)`, the callable generate() uses, so the sparse
+attention decides every scored prediction but the first (which comes from the dense prefill's last position).
+After scoring, `check_sparse()` refuses any number that did not come from rewritten graphs.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+
+from .methods import MethodSpec
+
+
+class DenseFallback(RuntimeError):
+    """A variant that should run the sparse path did not (no rewritten graph, or a graph left dense)."""
+
+
+def configure_dynamo(recompile_limit: int = 256) -> None:
+    """Many weight-sharing variants compile the same code object (Module.__call__): raise Dynamo's per-code
+    recompile limit, and make hitting it an error instead of a silent fallback to eager (dense) execution."""
+    import torch._dynamo.config as dc
+    dc.recompile_limit = max(dc.recompile_limit, recompile_limit)
+    dc.accumulated_recompile_limit = max(dc.accumulated_recompile_limit, 4 * recompile_limit)
+    dc.fail_on_recompile_limit_hit = True
+
+
+@dataclasses.dataclass
+class Prefill:
+    cache: object             # transformers StaticCache holding the prompt's K/V
+    last_logits: torch.Tensor  # [vocab] fp32 logits at the prompt's last position
+    length: int               # prompt tokens in the cache
+    max_cache_len: int        # the cache's size in tokens
+
+
+@torch.no_grad()
+def dense_prefill(model, input_ids: torch.Tensor, max_cache_len: int) -> Prefill:
+    from transformers import StaticCache
+    n = int(input_ids.shape[-1])
+    if max_cache_len <= n:
+        raise ValueError(f"max_cache_len {max_cache_len} leaves no room after the {n} prompt tokens")
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    out = model(input_ids, past_key_values=cache, cache_position=torch.arange(n), use_cache=True, logits_to_keep=1)
+    return Prefill(cache, out.logits[0, -1].float(), n, max_cache_len)
+
+
+@dataclasses.dataclass
+class TokenScores:
+    logprobs: list[float]     # log p(target_i) for each target token
+    hits: list[bool]          # argmax == target_i (greedy would have produced it, given the earlier targets)
+
+    @property
+    def nll(self) -> float:
+        return -sum(self.logprobs) / len(self.logprobs)
+
+    @property
+    def all_hit(self) -> bool:
+        return all(self.hits)
+
+
+@torch.no_grad()
+def score_steps(call, prefill: Prefill, targets: list[int], copy_cache: bool = True) -> TokenScores:
+    """Teacher-forced: target[0] from the prefill's logits, target[i+1] from one decode step fed target[i]."""
+    cache = copy.deepcopy(prefill.cache) if copy_cache else prefill.cache
+    max_len = prefill.max_cache_len
+    if prefill.length + len(targets) - 1 > max_len:
+        raise ValueError(f"{len(targets)} targets after {prefill.length} prompt tokens exceed the cache ({max_len})")
+    logits = prefill.last_logits
+    logprobs, hits = [], []
+    for i, tok in enumerate(targets):
+        lp = torch.log_softmax(logits.float(), -1)
+        logprobs.append(float(lp[tok]))
+        hits.append(int(logits.argmax()) == tok)
+        if i == len(targets) - 1:
+            break
+        pos = prefill.length + i
+        out = call(input_ids=torch.tensor([[tok]]), cache_position=torch.tensor([pos]),
+                   position_ids=torch.tensor([[pos]]), past_key_values=cache,
+                   attention_mask=torch.ones(1, pos + 1, dtype=torch.long), use_cache=True, return_dict=True)
+        logits = out.logits[0, -1]
+    return TokenScores(logprobs, hits)
+
+
+def shared_weight_copy(model):
+    """A deep copy of `model` whose parameters and buffers are the same tensors (lychee_compile never changes
+    weights; it sets the generation config and attaches its state), so each variant costs almost no memory."""
+    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+@dataclasses.dataclass
+class Variant:
+    spec: MethodSpec
+    model: object
+    call: object
+
+    @classmethod
+    def build(cls, base, spec: MethodSpec) -> "Variant":
+        if spec.config is None:
+            return cls(spec, base, base)
+        from ..api import lychee_compile
+        model = lychee_compile(shared_weight_copy(base), spec.head_map, spec.config)
+        return cls(spec, model, model.get_compiled_call(model.generation_config.compile_config))
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    def score(self, prefill: Prefill, targets: list[int]) -> TokenScores:
+        scores = score_steps(self.call, prefill, targets)
+        if len(targets) > 1:
+            self.check_sparse()
+        return scores
+
+    def counters(self):
+        if self.spec.config is None:
+            return None
+        from ..api import state_of
+        return state_of(self.model).counters
+
+    def check_sparse(self) -> None:
+        """Raise DenseFallback unless every compiled graph of this variant was rewritten (sparse path ran)."""
+        c = self.counters()
+        if c is None:
+            return
+        if c.decode_graphs == 0 or c.sites_rewritten == 0 or c.graphs_left_dense:
+            raise DenseFallback(f"{self.label}: the sparse path did not run (decode graphs {c.decode_graphs}, "
+                                f"sites rewritten {c.sites_rewritten}, graphs left dense {c.graphs_left_dense}, "
+                                f"reasons {c.reasons}); refusing to report its numbers")

@@ -1,0 +1,89 @@
+"""Task builders: each yields Items (a prompt prefilled densely + target tokens scored by decode steps).
+
+- passkey_items: the real-text passkey (eval/passkey.py) at lengths x depths x trials. The assistant turn already
+  holds "The pass key is" (how SmolLM2 answers), the targets are " NNNNN"; correct = every target token is the
+  argmax given the earlier ones (= greedy decoding would write the key).
+- repeat_items: a segment of `length` tokens of real text, prefilled once; the first `score_tokens` tokens of its
+  second copy are scored (perplexity). Copying needs the tokens `length` back: far context, the sharp test.
+- text_items: perplexity of real text: `length` tokens of a book prefilled, the next `score_tokens` scored.
+
+Seeds are fixed: the same items for every method (paired comparison). Item seeds stay below 10000 (head-map
+training uses passkey seeds >= 10000).
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import torch
+
+from .passkey import build_passkey_prompt, load_haystack_text, _normalize
+
+ANSWER_PREFIX = "The pass key is"
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+@dataclasses.dataclass
+class Item:
+    input_ids: torch.Tensor   # [1, n] prompt, prefilled densely
+    targets: list[int]        # scored by teacher-forced decode steps
+    max_cache_len: int        # static cache size (fixed per task config, so compiled graphs are reused)
+    meta: dict
+
+
+def passkey_items(tokenizer, lengths=(2048,), depths=DEPTHS, trials: int = 1, seed: int = 0) -> list[Item]:
+    items = []
+    for length in lengths:
+        for trial in range(trials):
+            for di, depth in enumerate(depths):
+                item_seed = 1 + seed * 1000 + trial * len(depths) + di
+                p = build_passkey_prompt(tokenizer, length, depth=depth, seed=item_seed)
+                ids = tokenizer(p.text + ANSWER_PREFIX, add_special_tokens=False).input_ids
+                targets = tokenizer(" " + p.passkey, add_special_tokens=False).input_ids
+                items.append(Item(torch.tensor([ids]), targets, _round_up(length + length // 50 + len(targets) + 8),
+                                  dict(length=length, depth=depth, trial=trial, seed=item_seed, passkey=p.passkey,
+                                       prompt_tokens=len(ids), needle_token_pos=p.needle_token_pos)))
+    return items
+
+
+@torch.no_grad()
+def _book_ids(tokenizer, haystack: str) -> list[int]:
+    return tokenizer(_normalize(load_haystack_text(haystack)), add_special_tokens=False).input_ids
+
+
+def repeat_items(tokenizer, length: int = 2048, n: int = 4, score_tokens: int = 32, seed: int = 0,
+                 haystack: str = "persuasion") -> list[Item]:
+    if not 0 < score_tokens <= length:
+        raise ValueError(f"score_tokens must be in 1..length ({length}), got {score_tokens}")
+    book = _book_ids(tokenizer, haystack)
+    rng = random.Random(seed)
+    items = []
+    for i in range(n):
+        start = 0 if (i == 0 and seed == 0) else rng.randint(0, len(book) - length - 1)
+        seg = book[start:start + length]
+        items.append(Item(torch.tensor([seg]), seg[:score_tokens], _round_up(length + score_tokens),
+                          dict(length=length, start=start, score_tokens=score_tokens, index=i)))
+    return items
+
+
+def text_items(tokenizer, length: int = 2048, n: int = 4, score_tokens: int = 32, seed: int = 0,
+               haystack: str = "persuasion") -> list[Item]:
+    book = _book_ids(tokenizer, haystack)
+    rng = random.Random(seed + 7919)
+    items = []
+    for i in range(n):
+        start = rng.randint(0, len(book) - length - score_tokens - 1)
+        ids = book[start:start + length]
+        items.append(Item(torch.tensor([ids]), book[start + length:start + length + score_tokens],
+                          _round_up(length + score_tokens), dict(length=length, start=start,
+                                                                 score_tokens=score_tokens, index=i)))
+    return items
+
+
+def _round_up(n: int, to: int = 64) -> int:
+    return -(-n // to) * to
+
+
+TASKS = {"passkey": passkey_items, "repeat": repeat_items, "ppl": text_items}
+NOT_DONE_TASKS = {"ruler": "RULER-style multi-key/multi-value needles, variable tracking and common-words "
+                           "extraction are not implemented yet"}
