@@ -25,6 +25,11 @@ class LycheeConfig:
     sink_tokens: int = 16
     # Last `local_tokens` valid positions (incl. the current token) are always attended (their blocks).
     local_tokens: int = 64
+    # How many ranked blocks a retrieval head keeps (ops/policies.py): "topk" (ceil(budget / block_size)),
+    # "topp" (attention mass >= selection_param), "threshold" (block mass >= selection_param), "ratio"
+    # (ceil(selection_param * valid blocks)); all capped at ceil(budget / block_size) slots.
+    selection: str = "topk"
+    selection_param: float = 0.0
     # The first global layer is all retrieval (nothing precedes it). False only for baselines whose first layer
     # must stay streaming (StreamingLLM); a sparse head there then inherits nothing.
     first_layer_retrieval: bool = True
@@ -59,12 +64,27 @@ class LycheeConfig:
                 f"sink_tokens + local_tokens ({self.sink_tokens} + {self.local_tokens}) exceeds the budget "
                 f"({self.budget}): the always-attended tokens would cost more than the whole budget. "
                 "Lower them or raise the budget.")
+        from .ops.policies import POLICIES
+        if self.selection not in POLICIES:
+            raise LycheeConfigError(f"LycheeConfig.selection must be one of {sorted(POLICIES)}, got "
+                                    f"{self.selection!r}.")
+        param = self.selection_param
+        if not isinstance(param, (int, float)) or isinstance(param, bool) or math.isnan(param):
+            raise LycheeConfigError(f"LycheeConfig.selection_param must be a number, got {param!r}.")
+        if self.selection != "topk" and not 0.0 < param <= 1.0:
+            raise LycheeConfigError(f"LycheeConfig.selection_param for {self.selection!r} must be in (0, 1] "
+                                    f"(a probability mass, threshold or fraction), got {param}.")
         if not isinstance(self.first_layer_retrieval, bool):
             raise LycheeConfigError("LycheeConfig.first_layer_retrieval must be a bool.")
         if not isinstance(self.strict, bool):
             raise LycheeConfigError(f"LycheeConfig.strict must be a bool, got {self.strict!r}.")
         if self.backend not in ("inductor", "eager"):
             raise LycheeConfigError(f"LycheeConfig.backend must be 'inductor' or 'eager', got {self.backend!r}.")
+
+    @property
+    def policy_code(self) -> int:
+        from .ops.policies import POLICIES
+        return POLICIES[self.selection]
 
     @property
     def num_select(self) -> int:

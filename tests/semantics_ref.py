@@ -9,6 +9,9 @@ transformers as an attention function ("lychee_semantics") so an uncompiled mode
     Sparse head: attention over valid tokens of S[l'][h] (previous global layer) plus sink and local blocks;
       S[l][h] = S[l'][h].
     Sink blocks: blocks of the first sink_tokens valid positions; local: of the last local_tokens valid positions.
+    Selection policy (LycheeConfig.selection): a prefix of the same ranking -- topk: K blocks; topp: the shortest
+      prefix whose mass (group-mean probability) plus the sink/local mass reaches p; threshold: blocks of mass >= tau;
+      ratio: ceil(theta * valid blocks); never more than K.
     Streaming head (streaming[l, h]): sink and local blocks only; S[l][h] = {} (it passes nothing on).
     first_layer_retrieval=False: the first global layer follows the map like any other (baselines).
     Prefill and non-global layers: dense.
@@ -24,7 +27,8 @@ NAME = "lychee_semantics"
 
 class Semantics:
     def __init__(self, retrieval, global_layers, budget, block_size, sink_tokens, local_tokens, streaming=None,
-                 first_layer_retrieval=True):
+                 first_layer_retrieval=True, selection="topk", selection_param=0.0):
+        self.policy, self.param = selection, selection_param
         self.retrieval = retrieval.tolist()
         self.streaming = streaming.tolist() if streaming is not None else [[False] * len(r) for r in self.retrieval]
         self.first_forced = first_layer_retrieval
@@ -86,12 +90,33 @@ class Semantics:
                 block_score[t // bs] = block_score.get(t // bs, 0.0) + token_score[t]
             candidates = [blk for blk in sorted(block_score) if blk not in sink_blocks and blk not in local_blocks]
             ranked = sorted(candidates, key=lambda blk: (-block_score[blk], blk))
-            self.selection[(b, h)] = sorted(ranked[:self.k])
+            self.selection[(b, h)] = sorted(ranked[:self._keep(ranked, block_score, sink_blocks | local_blocks,
+                                                               len(qs), len(block_score))])
             return valid
         if self.streaming[layer][h] or layer == self.global_layers[0]:
             self.selection[(b, h)] = []
         keep = set(self.selection[(b, h)]) | sink_blocks | local_blocks
         return [t for t in valid if t // bs in keep]
+
+
+    def _keep(self, ranked, block_score, fixed_blocks, group, n_valid_blocks):
+        mass = [block_score[blk] / group for blk in ranked]
+        if self.policy == "topk":
+            n = self.k
+        elif self.policy == "topp":
+            need = self.param - sum(block_score[blk] for blk in fixed_blocks if blk in block_score) / group
+            n, total = (0, 0.0) if need <= 0 else (len(ranked), 0.0)
+            if need > 0:
+                for i, m in enumerate(mass):
+                    total += m
+                    if total >= need - 1e-6:
+                        n = i + 1
+                        break
+        elif self.policy == "threshold":
+            n = sum(m >= self.param for m in mass)
+        else:
+            n = math.ceil(self.param * n_valid_blocks)
+        return min(n, self.k)
 
 
 def _attend(q, keys, values, positions, scale):

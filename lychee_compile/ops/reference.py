@@ -8,13 +8,14 @@ Names and shapes (one global layer, decode step, query length 1):
     idx_in   int32 [B, Hkv, K]  index state from the previous global layer (see index_state.py)
     out      [B, Hq, 1, D]   attention output, q.dtype
     idx_out  int32 [B, Hkv, K]
+    policy, policy_param   how many ranked blocks a retrieval head keeps (policies.py; default top-K)
 All scores and probabilities are fp32.
 """
 from __future__ import annotations
 
 import torch
 
-from .index_state import EMPTY, INDEX_DTYPE
+from .policies import POLICIES, ranked_selection, select_top_blocks  # noqa: F401  (select_top_blocks: training)
 
 
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -48,23 +49,6 @@ def sink_local_blocks(valid: torch.Tensor, block_size: int, num_blocks: int, sin
     return block_any(sink_tok, block_size, num_blocks), block_any(local_tok, block_size, num_blocks)
 
 
-def select_top_blocks(block_score: torch.Tensor, candidate: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k candidate blocks by score, ties to the lower block; returned sorted ascending, EMPTY-padded.
-
-    block_score fp32 [B, H, nb]; candidate bool [B, H, nb] -> int32 [B, H, k].
-    """
-    nb = block_score.shape[-1]
-    keyed = block_score.masked_fill(~candidate, float("-inf"))
-    # A stable descending sort keeps equal scores in position order, so the lower block wins a tie.
-    order = torch.sort(keyed, dim=-1, descending=True, stable=True).indices[..., :k]
-    taken = torch.gather(candidate, -1, order)
-    chosen = torch.where(taken, order, torch.full_like(order, nb))   # nb sorts after every real block
-    chosen = torch.sort(chosen, dim=-1).values
-    if chosen.shape[-1] < k:
-        chosen = torch.nn.functional.pad(chosen, (0, k - chosen.shape[-1]), value=nb)
-    return torch.where(chosen == nb, torch.full_like(chosen, EMPTY), chosen).to(INDEX_DTYPE)
-
-
 def blocks_of_index(idx: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """int32 [B, H, K] index state -> bool [B, H, nb] membership (EMPTY and out-of-range slots ignored)."""
     idx = idx.to(torch.int64)
@@ -75,7 +59,8 @@ def blocks_of_index(idx: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 
 def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, block_size: int,
-                            sink_tokens: int, local_tokens: int):
+                            sink_tokens: int, local_tokens: int, policy: int = POLICIES["topk"],
+                            policy_param: float = 0.0):
     B, Hq, L, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     if L != 1:
@@ -90,8 +75,11 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
     # Retrieval heads: full attention over valid positions, block scores for the next layer's selection.
     p_full = masked_softmax(scores, valid[:, None, None, :])
     block_score = block_sum(p_full.sum(dim=2), block_size, nb)                                     # [B,Hkv,nb]
-    candidate = block_any(valid, block_size, nb) & ~sink_blk & ~local_blk                          # [B, nb]
-    selected = select_top_blocks(block_score, candidate[:, None, :].expand(B, Hkv, nb), k_sel)
+    valid_blk = block_any(valid, block_size, nb)                                                   # [B, nb]
+    candidate = (valid_blk & ~sink_blk & ~local_blk)[:, None, :].expand(B, Hkv, nb)
+    fixed_mass = (block_score * (sink_blk | local_blk)[:, None, :]).sum(-1) / G                    # [B, Hkv]
+    selected = ranked_selection(block_score, candidate, k_sel, G, policy, policy_param, fixed_mass,
+                                valid_blk.sum(-1, keepdim=True))
 
     # Sparse heads: inherited blocks plus sink and local blocks, valid positions only.
     sparse_blk = blocks_of_index(idx_in, nb) | (sink_blk | local_blk)[:, None, :]                   # [B,Hkv,nb]

@@ -3,7 +3,8 @@
 Per site, inserted right before the original attention output (so after the KV-cache write of that layer):
     valid = valid_from_<mask kind>(mask, q)                  # bool [B, T]
     kinds = head_kinds(q, retrieval row of the layer)        # bool [Hkv], runtime data of the op
-    res   = lychee.hybrid_decode.default(q, K, V, valid, kinds, <idx_in>, scale, block, sink, local)
+    res   = lychee.hybrid_decode.default(q, K, V, valid, kinds, <idx_in>, scale, block, sink, local,
+                                         policy, policy_param)
     out   = res[0]                                           # replaces the attention output
     idx   = res[1]                                           # wired to the next layer by `thread_state`
 Then only the nodes this site matched are erased, and only once they have no users: never a global dead-code
@@ -42,7 +43,8 @@ def _rewrite(ctx: PassContext, site: Site) -> None:
             valid = graph.call_function(VALID_FROM[site.mask_kind], (site.mask, site.q))
         kinds = graph.call_function(head_kinds, (site.q, row))
         op = graph.call_function(hybrid_decode_op(), (site.q, site.kv_k, site.kv_v, valid, kinds, None, site.scale,
-                                                      cfg.block_size, cfg.sink_tokens, cfg.local_tokens))
+                                                      cfg.block_size, cfg.sink_tokens, cfg.local_tokens,
+                                                      cfg.policy_code, float(cfg.selection_param)))
         out = graph.call_function(operator.getitem, (op, 0))
         graph.call_function(operator.getitem, (op, 1))
     for node in (valid, kinds, op, out):

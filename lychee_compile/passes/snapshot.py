@@ -16,7 +16,7 @@ import torch.fx
 from ..ops.hybrid_decode import hybrid_decode_op
 from .graph_query import is_op, shape
 
-_ARG_NAMES = ("q", "k", "v", "valid", "kinds", "idx_in", "scale", "block", "sink", "local")
+_ARG_NAMES = ("q", "k", "v", "valid", "kinds", "idx_in", "scale", "block", "sink", "local", "policy", "param")
 
 
 def graph_snapshot(gm: torch.fx.GraphModule) -> str:

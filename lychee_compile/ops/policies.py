@@ -1,0 +1,71 @@
+"""Selection policies of retrieval heads (LycheeDecode §4.4.1): how many of the ranked candidate blocks to keep.
+
+Every policy ranks candidates the same way as top-k (block score = sum over the G query heads of softmax probs;
+ties to the lower block) and keeps a prefix of that ranking, at most K = LycheeConfig.num_select blocks -- the fixed
+capacity of the index state, so kernels and CUDA graphs see a static size; unused slots hold EMPTY.
+
+    topk       keep K
+    topp       keep the shortest prefix whose attention mass, together with the always-attended sink and local
+               blocks, reaches p (mass = the group's mean probability, so it sums to 1 over the valid positions)
+    threshold  keep candidates whose mass is >= tau
+    ratio      keep ceil(theta * valid blocks)
+
+Codes are ints so they travel as op arguments.
+"""
+from __future__ import annotations
+
+import torch
+
+from .index_state import EMPTY, INDEX_DTYPE
+
+POLICIES = {"topk": 0, "topp": 1, "threshold": 2, "ratio": 3}
+
+
+def keep_counts(policy: int, param: float, ranked_mass: torch.Tensor, n_candidates: torch.Tensor,
+                fixed_mass: torch.Tensor, valid_blocks: torch.Tensor, capacity: int) -> torch.Tensor:
+    """How many ranked candidates each (row, head) keeps: int64 [B, H].
+
+    ranked_mass fp32 [..., R]: mass of the ranked candidates (0 past the last candidate); n_candidates int64 [...];
+    fixed_mass fp32 [...]: mass of the sink and local blocks; valid_blocks int64 broadcastable to [...].
+    """
+    if policy == POLICIES["topk"]:
+        n = torch.full(ranked_mass.shape[:-1], capacity, dtype=torch.int64, device=ranked_mass.device)
+    elif policy == POLICIES["topp"]:
+        need = (param - fixed_mass).clamp_min(0)[..., None]                          # [B, H, 1]
+        reached = torch.cumsum(ranked_mass, dim=-1) >= need - 1e-6                    # first True = enough
+        n = torch.where(need[..., 0] <= 0, torch.zeros_like(n_candidates),
+                        reached.to(torch.int64).argmax(-1) + 1)
+        n = torch.where(reached.any(-1), n, n_candidates)
+    elif policy == POLICIES["threshold"]:
+        n = (ranked_mass >= param).sum(-1)
+    elif policy == POLICIES["ratio"]:
+        n = torch.ceil(param * valid_blocks.to(torch.float32)).to(torch.int64).expand(ranked_mass.shape[:-1])
+    else:
+        raise ValueError(f"unknown selection policy code {policy}; known: {POLICIES}")
+    return n.clamp(max=capacity)
+
+
+def ranked_selection(block_score: torch.Tensor, candidate: torch.Tensor, capacity: int, group: int, policy: int,
+                     param: float, fixed_mass: torch.Tensor, valid_blocks: torch.Tensor) -> torch.Tensor:
+    """The policy's selection, sorted ascending and EMPTY-padded: int32 [..., capacity].
+
+    block_score fp32 [..., nb] (sum over the group's G heads of probs); candidate bool [..., nb].
+    """
+    nb = block_score.shape[-1]
+    keyed = block_score.masked_fill(~candidate, float("-inf"))
+    order = torch.sort(keyed, dim=-1, descending=True, stable=True).indices     # ties: the lower block first
+    taken = torch.gather(candidate, -1, order)
+    ranked_mass = torch.where(taken, torch.gather(block_score, -1, order) / group, torch.zeros(()))
+    n = keep_counts(policy, param, ranked_mass, taken.sum(-1), fixed_mass, valid_blocks, capacity)
+    rank = torch.arange(nb, device=order.device)
+    keep = taken & (rank < n[..., None])
+    chosen = torch.sort(torch.where(keep, order, torch.full_like(order, nb)), dim=-1).values[..., :capacity]
+    if chosen.shape[-1] < capacity:
+        chosen = torch.nn.functional.pad(chosen, (0, capacity - chosen.shape[-1]), value=nb)
+    return torch.where(chosen == nb, torch.full_like(chosen, EMPTY), chosen).to(INDEX_DTYPE)
+
+
+def select_top_blocks(block_score: torch.Tensor, candidate: torch.Tensor, k: int) -> torch.Tensor:
+    """Plain top-k (the default policy): [..., nb] scores and candidates -> int32 [..., k]."""
+    unused = torch.zeros(block_score.shape[:-1])
+    return ranked_selection(block_score, candidate, k, 1, POLICIES["topk"], 0.0, unused, unused)
