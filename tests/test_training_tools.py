@@ -99,3 +99,27 @@ def test_cli_registers_train_heads():
     args = build_parser().parse_args(["train-heads", "--method", "duo", "--retrieval-heads", "8", "--out", "x"])
     assert args.method == "duo" and args.retrieval_heads == 8 and args.steps == 40
     assert args.func.__module__ == "lychee_compile.training.cli"
+
+
+def test_shipped_smollm2_map():
+    from lychee_compile.training import load_shipped_map, shipped_map_path
+    assert shipped_map_path().endswith("lychee_compile/data/smollm2-135m.safetensors")
+    hm = load_shipped_map()
+    assert hm.shape == (30, 3)
+    assert bool(hm.retrieval[0].all())                       # first global layer: all retrieval
+    assert not bool(hm.streaming.any())
+    md = hm.metadata
+    assert md["method"] == "hardkuma" and md["selection"] == "threshold"
+    for key in ("N_target", "steps", "data", "config_fingerprint", "architecture", "train_config", "scores"):
+        assert md.get(key), key
+    assert int(md["retrieval_heads"]) == int(hm.retrieval[1:].sum())
+
+
+def test_reselect_from_scores(tmp_path):
+    from lychee_compile.training import load_shipped_map
+    from lychee_compile.training.reselect import reselect
+    hm = load_shipped_map()
+    top = reselect(hm, topk=12)
+    assert int(top.retrieval[1:].sum()) == 12 and bool((top.retrieval & hm.retrieval).sum() == hm.retrieval.sum())
+    same = reselect(hm, threshold=0.5)
+    assert torch.equal(same.retrieval, hm.retrieval)

@@ -12,3 +12,15 @@
     plots.py            E[z] per head over steps (heatmap) and the final map
     cli.py              `lychee train-heads`
 """
+
+
+def shipped_map_path(name: str = "smollm2-135m") -> str:
+    """Path of a head map shipped in the package (lychee_compile/data/NAME.safetensors); the SmolLM2-135M map is the
+    learned HardKuma map (its metadata says how it was made)."""
+    from importlib import resources
+    return str(resources.files("lychee_compile").joinpath("data", f"{name}.safetensors"))
+
+
+def load_shipped_map(name: str = "smollm2-135m"):
+    from ..head_map import HeadMap
+    return HeadMap.load(shipped_map_path(name))

@@ -133,7 +133,9 @@ def run(args) -> int:
         if history:
             plot_history(history, n_layers, n_kv, os.path.join(args.plot_dir, f"{stem}-ez-steps.png"),
                          f"{args.method}: E[z] per head over {len(history)} steps")
-        plot_map(scores, retrieval, os.path.join(args.plot_dir, f"{stem}-map.png"), f"{args.method} map")
+        label = {"hardkuma": "E[z]", "hardconcrete": "E[z]", "duo": "gate α", "retrieval-score": "retrieval score",
+                 "random": "random score"}[args.method]
+        plot_map(scores, retrieval, os.path.join(args.plot_dir, f"{stem}-map.png"), f"{args.method} map", label)
     rows = [l for l in range(1, n_layers) if retrieval[l].any()]
     print(f"wrote {args.out}: {hm!r}; {int(retrieval[1:].sum())} retrieval heads beyond layer 0 "
           f"(rule {select}), in layers {rows}; {meta['wall_s']} s")

@@ -24,17 +24,19 @@ def plot_history(history: list[dict], num_layers: int, num_kv: int, path: str, t
     plt.close(fig)
 
 
-def plot_map(score_matrix: torch.Tensor, retrieval: torch.Tensor, path: str, title: str = "") -> None:
+def plot_map(score_matrix: torch.Tensor, retrieval: torch.Tensor, path: str, title: str = "",
+             score_label: str = "final score") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(6, 8), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(6, 8))
     im = axes[0].imshow(score_matrix.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
-    axes[0].set_title("final E[z]")
+    axes[0].set_title(score_label)
     axes[1].imshow(retrieval.float().numpy(), aspect="auto", cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
     axes[1].set_title(f"map: {int(retrieval.sum())} retrieval (black)")
     for ax in axes:
+        ax.set_ylabel("layer")
         ax.set_xlabel("KV head")
         ax.set_xticks(range(score_matrix.shape[1]))
     axes[0].set_ylabel("layer")
