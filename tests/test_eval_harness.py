@@ -161,13 +161,16 @@ def test_repeat_and_text_items():
     tok = CharTokenizer()
     rep = tasks.repeat_items(tok, length=300, n=3, score_tokens=20, seed=1)
     for it in rep:
-        seg = it.input_ids[0].tolist()
-        assert len(seg) == 300 and it.targets == seg[:20]
+        ids = it.input_ids[0].tolist()
+        seg = ids[:300]
+        assert len(ids) == 450 and ids[300:] == seg[:150] and it.targets == seg[150:170]
+    first = tasks.repeat_items(tok, length=300, n=1, score_tokens=20, score_offset=0)[0]
+    assert first.input_ids.shape[1] == 300 and first.targets == first.input_ids[0, :20].tolist()
     txt = tasks.text_items(tok, length=300, n=2, score_tokens=20)
     for it in txt:
         assert len(it.targets) == 20 and it.input_ids.shape[1] == 300
     with pytest.raises(ValueError):
-        tasks.repeat_items(tok, length=10, score_tokens=11)
+        tasks.repeat_items(tok, length=10, score_tokens=6)
 
 
 def test_stats():

@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("--length", type=int, default=2048, help="repeat/ppl: prefilled tokens (default 2048)")
     p.add_argument("--prompts", type=int, default=4, help="repeat/ppl: number of segments (default 4)")
     p.add_argument("--score-tokens", type=int, default=32, help="repeat/ppl: tokens scored by decode steps")
+    p.add_argument("--score-offset", type=int, default=None,
+                   help="repeat: second-copy tokens prefilled before the scored ones (default length // 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--random-seed", type=int, default=0, help="seed of the random head map")
     p.add_argument("--backend", choices=("eager", "inductor"), default="eager",
@@ -84,7 +86,8 @@ def run(args) -> int:
         items = passkey_items(tok, _ints(args.lengths), [float(d) for d in args.depths.split(",")], args.trials,
                               args.seed)
     elif args.task == "repeat":
-        items = repeat_items(tok, args.length, args.prompts, args.score_tokens, args.seed)
+        items = repeat_items(tok, args.length, args.prompts, args.score_tokens, args.seed,
+                             score_offset=args.score_offset)
     else:
         items = text_items(tok, args.length, args.prompts, args.score_tokens, args.seed)
     print(f"lychee eval: task {args.task}, {len(items)} prompts x {len(specs)} variants; head map: {where}",
@@ -92,9 +95,15 @@ def run(args) -> int:
     for s in specs:
         print(f"  {s.label}: {s.description}")
     t0 = time.perf_counter()
-    results = run_eval(model, tok, items, specs, progress=not args.no_progress, task=args.task)
-    results["settings"] = dict(vars(args), func=None, head_map_source=where, threads=args.threads,
-                               torch=torch.__version__, items=len(items))
+    settings = dict(vars(args), func=None, head_map_source=where, threads=args.threads, torch=torch.__version__,
+                    items=len(items))
+
+    def checkpoint(partial):      # partial outputs after every prompt, so a long run killed early still reports
+        partial["settings"] = settings
+        write_outputs(partial, summarize(partial), args.out, heatmaps=False)
+
+    results = run_eval(model, tok, items, specs, progress=not args.no_progress, task=args.task, on_item=checkpoint)
+    results["settings"] = settings
     summary = summarize(results)
     paths = write_outputs(results, summary, args.out)
     print(markdown_table(summary, args.task))

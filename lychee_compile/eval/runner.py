@@ -20,7 +20,8 @@ from .scoring import Variant, configure_dynamo, dense_prefill
 
 
 def run_eval(model, tokenizer, items, specs: list[MethodSpec], progress: bool = True, log=None,
-             task: str = "?") -> dict:
+             task: str = "?", on_item=None) -> dict:
+    """`on_item(partial_results)` is called after every prompt (the CLI writes partial outputs there)."""
     from tqdm.auto import tqdm
 
     configure_dynamo()
@@ -46,7 +47,13 @@ def run_eval(model, tokenizer, items, specs: list[MethodSpec], progress: bool = 
                                 **item.meta))
             bar.update(1)
         del pre
+        if on_item is not None and ii < len(items) - 1:
+            on_item(_results(task, records, variants, compile_s, started, partial=True))
     bar.close()
+    return _results(task, records, variants, compile_s, started)
+
+
+def _results(task, records, variants, compile_s, started, partial=False) -> dict:
     counters = {}
     for v in variants:
         c = v.counters()
@@ -54,7 +61,7 @@ def run_eval(model, tokenizer, items, specs: list[MethodSpec], progress: bool = 
             v.check_sparse()
             counters[v.label] = dict(graphs=c.graphs, decode_graphs=c.decode_graphs, sites_rewritten=c.sites_rewritten,
                                      graphs_left_dense=c.graphs_left_dense)
-    return dict(task=task, records=records, counters=counters, first_item_s=compile_s,
+    return dict(task=task, partial=partial, records=list(records), counters=counters, first_item_s=dict(compile_s),
                 variants=[dict(label=v.label, method=v.spec.name, description=v.spec.description,
                                budget=None if v.spec.config is None else v.spec.config.budget,
                                config=None if v.spec.config is None else _cfg_dict(v.spec.config),
@@ -168,6 +175,8 @@ def write_outputs(results: dict, summary: list[dict], out_dir: str, heatmaps: bo
     with open(paths["json"], "w") as f:
         json.dump(dict(results, summary=summary), f, indent=1)
     md = markdown_table(summary, task)
+    if results.get("partial"):
+        md = f"(partial: {len({r['item'] for r in results['records']})} prompts scored so far)\n\n" + md
     with open(paths["md"], "w") as f:
         f.write(md)
     if heatmaps and task == "passkey":

@@ -3,8 +3,10 @@
 - passkey_items: the real-text passkey (eval/passkey.py) at lengths x depths x trials. The assistant turn already
   holds "The pass key is" (how SmolLM2 answers), the targets are " NNNNN"; correct = every target token is the
   argmax given the earlier ones (= greedy decoding would write the key).
-- repeat_items: a segment of `length` tokens of real text, prefilled once; the first `score_tokens` tokens of its
-  second copy are scored (perplexity). Copying needs the tokens `length` back: far context, the sharp test.
+- repeat_items: a segment of `length` tokens of real text followed by the first `score_offset` tokens of its second
+  copy (default length // 2) is prefilled; the next `score_tokens` tokens of the second copy are scored (perplexity).
+  Copying needs the tokens `length` back: far context, the sharp test. (The offset matters: SmolLM2 needs some
+  tokens to notice the repeat; the first 16 tokens of the second copy have perplexity ~14 even dense, at 2048.)
 - text_items: perplexity of real text: `length` tokens of a book prefilled, the next `score_tokens` scored.
 
 Seeds are fixed: the same items for every method (paired comparison). Item seeds stay below 10000 (head-map
@@ -52,17 +54,20 @@ def _book_ids(tokenizer, haystack: str) -> list[int]:
 
 
 def repeat_items(tokenizer, length: int = 2048, n: int = 4, score_tokens: int = 32, seed: int = 0,
-                 haystack: str = "persuasion") -> list[Item]:
-    if not 0 < score_tokens <= length:
-        raise ValueError(f"score_tokens must be in 1..length ({length}), got {score_tokens}")
+                 haystack: str = "persuasion", score_offset: int | None = None) -> list[Item]:
+    offset = length // 2 if score_offset is None else score_offset
+    if not (0 < score_tokens and 0 <= offset and offset + score_tokens <= length):
+        raise ValueError(f"need 0 < score_tokens and score_offset + score_tokens <= length ({length}); got "
+                         f"{score_tokens} tokens at offset {offset}")
     book = _book_ids(tokenizer, haystack)
     rng = random.Random(seed)
     items = []
     for i in range(n):
         start = 0 if (i == 0 and seed == 0) else rng.randint(0, len(book) - length - 1)
         seg = book[start:start + length]
-        items.append(Item(torch.tensor([seg]), seg[:score_tokens], _round_up(length + score_tokens),
-                          dict(length=length, start=start, score_tokens=score_tokens, index=i)))
+        items.append(Item(torch.tensor([seg + seg[:offset]]), seg[offset:offset + score_tokens],
+                          _round_up(length + offset + score_tokens),
+                          dict(length=length, start=start, score_offset=offset, score_tokens=score_tokens, index=i)))
     return items
 
 
