@@ -50,6 +50,8 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     snapshots: list[str] = []
     backend = make_backend(model, config, retrieval, head_map.streaming, counters, head_map.digest(), snapshots)
     _install(model, backend)
+    if config.heat_blocks > 0:
+        _install_heat_state(model, config, len(global_layers), head_map.shape[1])
     _guard_generate(model, counters, config.strict)
     setattr(model, _STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend,
                                             snapshots))
@@ -159,6 +161,32 @@ def _guard_generate(model, counters, strict: bool) -> None:
 
     generate.__doc__ = inner.__doc__
     model.generate = generate
+
+
+def _install_heat_state(model, config: LycheeConfig, n_global: int, n_kv: int) -> None:
+    """Register the heat buffer (layout: ops/heat.py) and wrap the instance's forward so that every prefill zeroes
+    it and every call hands it to the captured graph through lychee::bind_state."""
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if not max_pos:
+        raise LycheeConfigError("heat needs model.config.max_position_embeddings to size its block buffer.")
+    n_blocks = -(-int(max_pos) // config.block_size)
+    model.register_buffer("_lychee_heat", torch.zeros(1, n_global, n_kv, n_blocks, device=model.device),
+                          persistent=False)
+    inner = model.forward
+
+    def forward(*args, **kwargs):
+        x = kwargs.get("input_ids", args[0] if args else None)
+        x = kwargs.get("inputs_embeds") if x is None else x
+        batch, length = x.shape[0], x.shape[1]
+        heat = model._lychee_heat
+        if heat.shape[0] != batch:
+            model._lychee_heat = torch.zeros(batch, *heat.shape[1:], device=heat.device)
+        elif length > 1:                      # a prefill: a new sequence starts with no heat
+            heat.zero_()
+        torch.ops.lychee.bind_state(model._lychee_heat)
+        return inner(*args, **kwargs)
+
+    model.forward = forward
 
 
 def _install(model, backend) -> None:

@@ -30,6 +30,10 @@ class LycheeConfig:
     # (ceil(selection_param * valid blocks)); all capped at ceil(budget / block_size) slots.
     selection: str = "topk"
     selection_param: float = 0.0
+    # EvoSparse heat (ops/heat.py): sparse heads also attend their `heat_blocks` hottest blocks (0 = off); heat
+    # decays by `heat_decay` per step, in (0, 1).
+    heat_blocks: int = 0
+    heat_decay: float = 0.9
     # The first global layer is all retrieval (nothing precedes it). False only for baselines whose first layer
     # must stay streaming (StreamingLLM); a sparse head there then inherits nothing.
     first_layer_retrieval: bool = True
@@ -74,6 +78,13 @@ class LycheeConfig:
         if self.selection != "topk" and not 0.0 < param <= 1.0:
             raise LycheeConfigError(f"LycheeConfig.selection_param for {self.selection!r} must be in (0, 1] "
                                     f"(a probability mass, threshold or fraction), got {param}.")
+        if isinstance(self.heat_blocks, bool) or not isinstance(self.heat_blocks, int) or self.heat_blocks < 0:
+            raise LycheeConfigError(f"LycheeConfig.heat_blocks must be an int >= 0, got {self.heat_blocks!r}.")
+        decay = self.heat_decay
+        if not isinstance(decay, (int, float)) or isinstance(decay, bool) or not 0.0 < decay < 1.0:
+            hint = (" decay 1 never forgets: the earliest hot blocks lock in for good (EvoSparse)."
+                    if decay == 1 else "")
+            raise LycheeConfigError(f"LycheeConfig.heat_decay must be in (0, 1), got {decay!r}.{hint}")
         if not isinstance(self.first_layer_retrieval, bool):
             raise LycheeConfigError("LycheeConfig.first_layer_retrieval must be a bool.")
         if not isinstance(self.strict, bool):

@@ -144,3 +144,37 @@ def global_layers_of(config, cache_len: int) -> list[int]:
         if not windowed or (window is not None and window > cache_len):
             out.append(layer)
     return out
+
+
+class HeatSemantics(Semantics):
+    """Semantics plus EvoSparse heat, written from the issue: per (row, layer, KV head) a heat value per block,
+    h_t = decay * h_{t-1} + (probability the head computed this step on the block, summed over its G query heads);
+    a sparse head additionally attends its `heat_blocks` hottest warm (h > 0) blocks that it would not attend
+    otherwise (ties to the lower block); the index passed on is unchanged. Heat resets at every prefill."""
+
+    def __init__(self, *args, heat_blocks, heat_decay, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.heat_blocks, self.decay = heat_blocks, heat_decay
+        self.heat = {}
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if query.shape[2] > 1:
+            self.heat = {}
+        return super().__call__(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+    def _decode_head(self, layer, b, h, qs, keys, valid, scale):
+        attend = super()._decode_head(layer, b, h, qs, keys, valid, scale)
+        heat = self.heat.setdefault((b, layer, h), {})
+        is_retrieval = (self.first_forced and layer == self.global_layers[0]) or self.retrieval[layer][h]
+        if not is_retrieval:
+            have = {t // self.bs for t in attend}
+            warm = sorted((blk for blk in {t // self.bs for t in valid} if heat.get(blk, 0.0) > 0 and blk not in have),
+                          key=lambda blk: (-heat[blk], blk))[:self.heat_blocks]
+            attend = [t for t in valid if t // self.bs in have | set(warm)]
+        for blk in list(heat):
+            heat[blk] *= self.decay
+        for q in qs:
+            logits = torch.stack([q @ keys[t] for t in attend]) * scale
+            for t, p in zip(attend, torch.softmax(logits, dim=0).tolist()):
+                heat[t // self.bs] = heat.get(t // self.bs, 0.0) + p
+        return attend

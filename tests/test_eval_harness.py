@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lychee_compile.eval import methods, stats, tasks
+from lychee_compile.eval import methods, ruler, stats, tasks
 from lychee_compile.eval.methods import MethodError, method_spec
 from lychee_compile.eval.runner import markdown_table, passkey_grid, run_eval, summarize, write_outputs
 from lychee_compile.eval.scoring import DenseFallback, Variant, dense_prefill, shared_weight_copy
@@ -204,3 +204,28 @@ def test_run_eval_summary_and_outputs_tiny(tmp_path):
     paths = write_outputs(res, summ, str(tmp_path))
     assert len(paths["png"]) == 3 and "| lychee | 8 | 2 |" in open(paths["md"]).read()
     assert "perplexity" in markdown_table(summ, "repeat")
+
+
+@pytest.mark.parametrize("name", sorted(ruler.RULER_TASKS))
+def test_ruler_items(name):
+    tok = CharTokenizer()
+    items = ruler.RULER_TASKS[name](tok, 1200, n=2)
+    assert len(items) == 2
+    for it in items:
+        text = tok.decode(it.input_ids[0].tolist())
+        answer = tok.decode(it.targets)
+        assert abs(it.input_ids.shape[1] - 1200) <= 12 and text.endswith(" are") or text.endswith(" is")
+        assert it.max_cache_len >= it.input_ids.shape[1] + len(it.targets)
+        if name == "multikey":
+            assert answer == " " + it.meta["answer"]
+            assert f"for {it.meta['key']} is: {it.meta['answer']}." in text and text.count("special magic number") >= 4
+        elif name == "multivalue":
+            assert answer == " " + ", ".join(it.meta["answer"])
+            positions = [text.index(f"is: {v}.") for v in it.meta["answer"]]
+            assert positions == sorted(positions)          # target order = document order
+        else:
+            names = it.meta["answer"]
+            assert answer == " " + ", ".join(names) and f"VAR {names[0]} = {it.meta['value']}." in text
+            chain = [text.index(f"VAR {names[j + 1]} = VAR {names[j]}.") for j in range(len(names) - 1)]
+            assert chain == sorted(chain) and text.index(f"VAR {names[0]} =") < chain[0]
+    assert [i.meta for i in ruler.RULER_TASKS[name](tok, 1200, n=2)] == [i.meta for i in items]   # seeded

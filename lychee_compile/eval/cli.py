@@ -18,11 +18,12 @@ import time
 def add_parser(sub) -> None:
     from .methods import METHODS, UNAVAILABLE
     from .tasks import DEPTHS, NOT_DONE_TASKS, TASKS
-    p = sub.add_parser("eval", help="quality of methods x budgets on the real model (passkey, repeat, ppl)",
+    p = sub.add_parser("eval", help="quality of methods x budgets on the real model (passkey, repeat, ppl, RULER-style)",
                        description=__doc__.split("\n\n", 1)[1].strip(),
                        epilog="not available: " + "; ".join(f"{k}: {v}" for k, v in {**UNAVAILABLE,
                                                                                       **NOT_DONE_TASKS}.items()))
-    p.add_argument("--task", choices=sorted(TASKS), required=True)
+    from .ruler import RULER_TASKS
+    p.add_argument("--task", choices=sorted(TASKS) + sorted(RULER_TASKS), required=True)
     p.add_argument("--method", default="dense,lychee",
                    help=f"comma-separated, from {','.join(METHODS)} (default dense,lychee)")
     p.add_argument("--budget", default="512", help="comma-separated token budgets (default 512)")
@@ -31,8 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--lengths", default="2048", help="passkey: comma-separated context lengths (default 2048)")
     p.add_argument("--depths", default=",".join(f"{d:g}" for d in DEPTHS), help="passkey: comma-separated depths")
     p.add_argument("--trials", type=int, default=1, help="passkey: prompts per (length, depth) cell (default 1)")
-    p.add_argument("--length", type=int, default=2048, help="repeat/ppl: prefilled tokens (default 2048)")
-    p.add_argument("--prompts", type=int, default=4, help="repeat/ppl: number of segments (default 4)")
+    p.add_argument("--length", type=int, default=2048, help="repeat/ppl/RULER: context tokens (default 2048)")
+    p.add_argument("--prompts", type=int, default=4, help="repeat/ppl/RULER: number of prompts (default 4)")
     p.add_argument("--score-tokens", type=int, default=32, help="repeat/ppl: tokens scored by decode steps")
     p.add_argument("--score-offset", type=int, default=None,
                    help="repeat: second-copy tokens prefilled before the scored ones (default length // 2)")
@@ -88,8 +89,11 @@ def run(args) -> int:
     elif args.task == "repeat":
         items = repeat_items(tok, args.length, args.prompts, args.score_tokens, args.seed,
                              score_offset=args.score_offset)
-    else:
+    elif args.task == "ppl":
         items = text_items(tok, args.length, args.prompts, args.score_tokens, args.seed)
+    else:
+        from .ruler import RULER_TASKS
+        items = RULER_TASKS[args.task](tok, args.length, args.prompts, seed=args.seed)
     print(f"lychee eval: task {args.task}, {len(items)} prompts x {len(specs)} variants; head map: {where}",
           flush=True)
     for s in specs:

@@ -112,7 +112,7 @@ def _pct(x) -> str:
 
 
 def markdown_table(summary: list[dict], task: str) -> str:
-    if task == "passkey":
+    if task not in ("repeat", "ppl"):       # accuracy tasks: passkey and the RULER-style ones
         head = "| method | budget | n | accuracy % [95% CI] | Δ vs dense, points [95% CI] | answer-token hit % |\n|---|---|---|---|---|---|\n"
         lines = [f"| {r['method']} | {r['budget'] or '-'} | {r['n']} | {_pct(r['accuracy'])} "
                  f"[{_pct(r['accuracy_ci'][0])}, {_pct(r['accuracy_ci'][1])}] | "

@@ -40,7 +40,8 @@ def passkey_items(tokenizer, lengths=(2048,), depths=DEPTHS, trials: int = 1, se
             for di, depth in enumerate(depths):
                 item_seed = 1 + seed * 1000 + trial * len(depths) + di
                 p = build_passkey_prompt(tokenizer, length, depth=depth, seed=item_seed)
-                ids = tokenizer(p.text + ANSWER_PREFIX, add_special_tokens=False).input_ids
+                text = p.text if p.text.endswith(ANSWER_PREFIX) else p.text + ANSWER_PREFIX  # no chat template: there
+                ids = tokenizer(text, add_special_tokens=False).input_ids
                 targets = tokenizer(" " + p.passkey, add_special_tokens=False).input_ids
                 items.append(Item(torch.tensor([ids]), targets, _round_up(length + length // 50 + len(targets) + 8),
                                   dict(length=length, depth=depth, trial=trial, seed=item_seed, passkey=p.passkey,
@@ -90,5 +91,5 @@ def _round_up(n: int, to: int = 64) -> int:
 
 
 TASKS = {"passkey": passkey_items, "repeat": repeat_items, "ppl": text_items}
-NOT_DONE_TASKS = {"ruler": "RULER-style multi-key/multi-value needles, variable tracking and common-words "
-                           "extraction are not implemented yet"}
+NOT_DONE_TASKS = {"cwe": "RULER common-words extraction is not implemented (multikey, multivalue and vartrack are, "
+                         "in eval/ruler.py)"}

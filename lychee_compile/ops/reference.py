@@ -60,7 +60,8 @@ def blocks_of_index(idx: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, block_size: int,
                             sink_tokens: int, local_tokens: int, policy: int = POLICIES["topk"],
-                            policy_param: float = 0.0):
+                            policy_param: float = 0.0, heat=None, heat_decay: float = 0.0, heat_blocks: int = 0):
+    """-> (out, idx_out) or, with `heat` fp32 [B, Hkv, NBH >= nb] given, (out, idx_out, heat_out); see heat.py."""
     B, Hq, L, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     if L != 1:
@@ -83,6 +84,11 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
 
     # Sparse heads: inherited blocks plus sink and local blocks, valid positions only.
     sparse_blk = blocks_of_index(idx_in, nb) | (sink_blk | local_blk)[:, None, :]                   # [B,Hkv,nb]
+    if heat is not None and heat_blocks > 0:
+        # EvoSparse: a sparse head also attends its hottest blocks (heat of earlier steps), this layer only.
+        warm = heat[..., :nb] > 0
+        sparse_blk = sparse_blk | blocks_of_index(
+            select_top_blocks(heat[..., :nb], warm & ~sparse_blk & valid_blk[:, None, :], heat_blocks), nb)
     sparse_tok = sparse_blk.repeat_interleave(block_size, dim=-1)[..., :T] & valid[:, None, :]      # [B,Hkv,T]
 
     is_retrieval = retrieval.to(torch.bool)[None, :, None]                                          # [1,Hkv,1]
@@ -90,4 +96,9 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
     p = torch.where(is_retrieval[..., None], p_full, masked_softmax(scores, attend[:, :, None, :]))
     out = torch.einsum("bhgt,bhtd->bhgd", p, v.float()).reshape(B, Hq, 1, D).to(q.dtype)
     idx_out = torch.where(is_retrieval, selected, idx_in)
-    return out, idx_out
+    if heat is None:
+        return out, idx_out
+    # h_t = decay * h_{t-1} + (probabilities this head computed this step, summed over its G query heads, per block)
+    heat_out = heat.clone()
+    heat_out[..., :nb] = heat_decay * heat[..., :nb] + block_sum(p.sum(dim=2), block_size, nb)
+    return out, idx_out, heat_out

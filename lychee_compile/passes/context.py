@@ -45,6 +45,7 @@ class Site:
     kind: str | None = None
     refusal: str | None = None
     op_node: torch.fx.Node | None = None   # the lychee op that replaced it (rewrite pass)
+    heat_out: torch.fx.Node | None = None  # the op's updated heat slice (heat enabled)
 
     def describe(self) -> str:
         where = f"layer {self.layer_idx}" if self.layer_idx is not None else (self.module_path or "?")
@@ -78,6 +79,7 @@ class PassContext:
     retrieval: object                # bool [num_layers, num_kv_heads], the effective head map (or None: probe)
     counters: Counters
     streaming: object = None         # bool [num_layers, num_kv_heads] or None: heads that inherit nothing
+    heat_input: torch.fx.Node | None = None   # the heat buffer's placeholder (found via lychee::bind_state)
     sites: list[Site] = dataclasses.field(default_factory=list)
     is_decode: bool | None = None
     rewrite: bool = True             # False: detect and check only (the probe in lychee_compile)

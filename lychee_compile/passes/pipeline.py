@@ -1,30 +1,36 @@
 """The pass pipeline: a declarative list of named passes over one PassContext.
 
+    bind_state    find the cross-step state buffers (heat) announced by the wrapped forward; drop the markers
     detect        find attention sites (sdpa call / eager matmul-softmax-matmul chain)
     canonicalize  peel repeat_kv to [B, Hkv, T, D], mask kind, explicit scale
     classify      layer of each site; global / sliding / prefill
     check         all-or-nothing decision for the graph (strict raises, non-strict leaves it dense)
     rewrite       global decode sites -> lychee::hybrid_decode
     thread_state  index state from each op to the next
+    thread_heat   stack the ops' heat slices and write them back in place (heat enabled)
 The probe in api.py runs the same list up to `check` (with window-aware classification off).
 """
 from __future__ import annotations
 
+from .bind_state import bind_state_inputs
 from .canonicalize import canonicalize_sites
 from .check import check_coverage
 from .classify import classify_for_probe, classify_sites
 from .context import PassContext
 from .detect import find_sites
 from .rewrite import rewrite_sites
+from .thread_heat import thread_heat
 from .thread_state import thread_index_state
 
 PASSES = [
+    ("bind_state", bind_state_inputs),
     ("detect", find_sites),
     ("canonicalize", canonicalize_sites),
     ("classify", classify_sites),
     ("check", check_coverage),
     ("rewrite", rewrite_sites),
     ("thread_state", thread_index_state),
+    ("thread_heat", thread_heat),
 ]
 PROBE_PASSES = [(name, classify_for_probe if name == "classify" else fn)
                 for name, fn in PASSES[:[n for n, _ in PASSES].index("check") + 1]]

@@ -19,6 +19,7 @@ import torch
 from ..ops.hybrid_decode import hybrid_decode_op
 from .canonicalize import VALID_FROM, valid_everywhere
 from .context import PassContext, Site
+from .thread_heat import heat_slot
 
 
 def head_kinds(q: torch.Tensor, row: tuple) -> torch.Tensor:
@@ -27,14 +28,31 @@ def head_kinds(q: torch.Tensor, row: tuple) -> torch.Tensor:
 
 
 def rewrite_sites(ctx: PassContext) -> None:
-    for site in ctx.sites:
-        if site.kind == "global":
-            _rewrite(ctx, site)
-            ctx.counters.sites_rewritten += 1
+    global_sites = [s for s in ctx.sites if s.kind == "global"]
+    if ctx.heat_input is not None and ctx.heat_input.meta["example_value"].shape[1] != len(global_sites):
+        ctx.refuse_graph(f"the heat state has {ctx.heat_input.meta['example_value'].shape[1]} layer slots but the "
+                         f"graph has {len(global_sites)} global layers")
+        return
+    for slot, site in enumerate(global_sites):
+        _rewrite(ctx, site, slot)
+        ctx.counters.sites_rewritten += 1
 
 
-def _rewrite(ctx: PassContext, site: Site) -> None:
+def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int):
+    """The lychee op for one site: hybrid_decode, or hybrid_decode_heat reading its heat slot (heat enabled)."""
     graph, cfg = ctx.gm.graph, ctx.config
+    args = (site.q, site.kv_k, site.kv_v, valid, kinds, None)
+    tail = (site.scale, cfg.block_size, cfg.sink_tokens, cfg.local_tokens, cfg.policy_code,
+            float(cfg.selection_param))
+    if ctx.heat_input is None:
+        return graph.call_function(hybrid_decode_op(), args + tail)
+    heat = graph.call_function(heat_slot, (ctx.heat_input, slot))
+    return graph.call_function(torch.ops.lychee.hybrid_decode_heat.default,
+                               args + (heat,) + tail + (float(cfg.heat_decay), cfg.heat_blocks))
+
+
+def _rewrite(ctx: PassContext, site: Site, slot: int) -> None:
+    graph = ctx.gm.graph
     row = tuple(bool(x) for x in ctx.retrieval[site.layer_idx].tolist())
     with graph.inserting_before(site.output):
         if site.mask_kind == "none":
@@ -42,11 +60,11 @@ def _rewrite(ctx: PassContext, site: Site) -> None:
         else:
             valid = graph.call_function(VALID_FROM[site.mask_kind], (site.mask, site.q))
         kinds = graph.call_function(head_kinds, (site.q, row))
-        op = graph.call_function(hybrid_decode_op(), (site.q, site.kv_k, site.kv_v, valid, kinds, None, site.scale,
-                                                      cfg.block_size, cfg.sink_tokens, cfg.local_tokens,
-                                                      cfg.policy_code, float(cfg.selection_param)))
+        op = _op_call(ctx, site, valid, kinds, slot)
         out = graph.call_function(operator.getitem, (op, 0))
         graph.call_function(operator.getitem, (op, 1))
+        if ctx.heat_input is not None:
+            site.heat_out = graph.call_function(operator.getitem, (op, 2))
     for node in (valid, kinds, op, out):
         node.meta["nn_module_stack"] = site.output.meta.get("nn_module_stack", {})
     op.meta["lychee_layer"] = site.layer_idx

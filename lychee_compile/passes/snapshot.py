@@ -11,24 +11,37 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 import torch.fx
 
 from ..ops.hybrid_decode import hybrid_decode_op
 from .graph_query import is_op, shape
 
 _ARG_NAMES = ("q", "k", "v", "valid", "kinds", "idx_in", "scale", "block", "sink", "local", "policy", "param")
+_HEAT_ARG_NAMES = _ARG_NAMES[:6] + ("heat",) + _ARG_NAMES[6:] + ("decay", "heat_blocks")
+
+
+def _lychee_ops() -> dict:
+    import torch
+    return {hybrid_decode_op(): ("hybrid_decode", _ARG_NAMES),
+            torch.ops.lychee.hybrid_decode_heat.default: ("hybrid_decode_heat", _HEAT_ARG_NAMES)}
 
 
 def graph_snapshot(gm: torch.fx.GraphModule) -> str:
-    op_target = hybrid_decode_op()
-    ops = [n for n in gm.graph.nodes if n.target is op_target]
+    known = _lychee_ops()
+    ops = [n for n in gm.graph.nodes if n.target in known]
     layer_of = {op: i for i, op in enumerate(ops)}
     dense = {name: sum(is_op(n, name) for n in gm.graph.nodes) for name in ("sdpa", "softmax")}
-    lines = [f"lychee graph v1: {len(ops)} lychee ops, dense attention left: "
+    lines = [f"lychee graph v2: {len(ops)} lychee ops, dense attention left: "
              + " ".join(f"{k}={v}" for k, v in dense.items())]
     for i, op in enumerate(ops):
-        parts = [f"{name}={_render(a, layer_of)}" for name, a in zip(_ARG_NAMES, op.args)]
-        lines.append(f"op {i} layer={op.meta.get('lychee_layer')} " + " ".join(parts))
+        op_name, arg_names = known[op.target]
+        parts = [f"{name}={_render(a, layer_of)}" for name, a in zip(arg_names, op.args)]
+        lines.append(f"op {i} {op_name} layer={op.meta.get('lychee_layer')} " + " ".join(parts))
+    writes = [n for n in gm.graph.nodes if n.target is torch.ops.lychee.write_state.default]
+    for n in writes:
+        lines.append(f"write_state({_render(n.args[0], layer_of)} <- stack of {len(n.args[1].args)} heat slices)")
     return "\n".join(lines) + "\n"
 
 
@@ -44,6 +57,8 @@ def _render(a, layer_of) -> str:
         if name == "drop_inherited":
             rows = ",".join("T" if r else "-" for r in a.args[1])
             return f"drop_inherited({_render(a.args[0], layer_of)}, streaming={rows})"
+        if name == "heat_slot":
+            return f"heat_slot({_render(a.args[0], layer_of)}, {a.args[1]})"
         if name == "empty_index_state_like":
             return f"empty(K={a.args[1]})"
         inner = ",".join(_render(x, layer_of) for x in a.args if isinstance(x, torch.fx.Node) and x.op == "placeholder")
@@ -56,5 +71,7 @@ def _render(a, layer_of) -> str:
 
 def _placeholder_name(target: str) -> str:
     """Dynamo's L_kwargs_past_key_values_layers_0_keys -> cache.layers.0.keys (stable across versions)."""
+    if "lychee_heat" in str(target):
+        return "state.heat"
     name = re.sub(r"^L_(kwargs_|self_)?", "", str(target)).strip("_")
     return re.sub(r"past_key_values_layers_(\d+)_(keys|values)", r"cache.layers.\1.\2", name)

@@ -1,0 +1,60 @@
+"""Cross-step heat (EvoSparse §3.2-3.3): ops and the state they thread.
+
+State layout (one buffer per compiled model, registered on it as the non-persistent buffer `_lychee_heat`, so its
+address is static across steps, as CUDA graphs need):
+
+    heat: fp32 [B, Lg, Hkv, NBH]
+        Lg   global layers (slot i = the i-th global layer in layer order)
+        NBH  = ceil(max_position_embeddings / block_size) blocks, >= any cache's block count
+    heat[b, i, h, blk] = sum over past decode steps t of decay^(now - t) * (probability mass the head put on the
+    block at step t, summed over its G query heads; 0 where it did not attend). Zeroed at every prefill.
+    Memory: 4 bytes per block per (layer, KV head) -- for block_size 16, 1/(16 * D * 2 * 2 / 4) of the bf16 KV cache
+    (0.05% at D = 128).
+
+Per decode step the pass threads it functionally (heat_in slice -> op -> heat_out slice) and writes the stacked
+result back with `lychee::write_state` at the end of the graph; `lychee::bind_state`, called by the model's wrapped
+forward, is what makes the buffer a graph input in the first place.
+"""
+from __future__ import annotations
+
+import torch
+
+from .reference import hybrid_decode_reference
+
+
+@torch.library.custom_op("lychee::hybrid_decode_heat", mutates_args=())
+def hybrid_decode_heat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                       retrieval: torch.Tensor, idx_in: torch.Tensor, heat: torch.Tensor, scale: float,
+                       block_size: int, sink_tokens: int, local_tokens: int, policy: int, policy_param: float,
+                       heat_decay: float, heat_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hybrid_decode plus heat: heat fp32 [B, Hkv, NBH] in, updated copy out."""
+    return hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
+                                   policy, policy_param, heat, heat_decay, heat_blocks)
+
+
+@hybrid_decode_heat.register_fake
+def _(q, k, v, valid, retrieval, idx_in, heat, scale, block_size, sink_tokens, local_tokens, policy, policy_param,
+      heat_decay, heat_blocks):
+    return torch.empty_like(q), torch.empty_like(idx_in), torch.empty_like(heat)
+
+
+@torch.library.custom_op("lychee::bind_state", mutates_args=("state",))
+def bind_state(state: torch.Tensor) -> None:
+    """No-op marker called by the wrapped forward: makes the state buffer an input of the captured graph. The pass
+    removes it (it declares a mutation only so that nothing drops it before the pass runs)."""
+
+
+@bind_state.register_fake
+def _(state):
+    return None
+
+
+@torch.library.custom_op("lychee::write_state", mutates_args=("state",))
+def write_state(state: torch.Tensor, value: torch.Tensor) -> None:
+    """state <- value, in place (the end of the decode graph's functional heat chain)."""
+    state.copy_(value)
+
+
+@write_state.register_fake
+def _(state, value):
+    return None
