@@ -3,15 +3,18 @@
     spec = method_spec("duo", model, budget=512, head_map=hm)    # -> MethodSpec(head_map, config, description)
 
 Every sparse method runs through `lychee_compile` with the `lychee::hybrid_decode` op; none is a copy of another
-project's code. Equal budget means equal tokens attended per non-retrieval head:
+project's code. Equal budget means equal tokens attended per non-retrieval head: a lychee sparse head attends
+its `budget` selected tokens plus the sink and local blocks (ops/reference.py), so a streaming head at the same
+budget gets a local window of budget + local_tokens (its LycheeConfig.budget is then sink + window: streaming heads
+select nothing, so that field only has to pass validation).
 
 | method       | retrieval heads                               | other heads                                  | first layer |
 |--------------|-----------------------------------------------|----------------------------------------------|-------------|
 | dense        | (uncompiled model)                            |                                              |             |
 | lychee       | the given head map                            | sparse: sink + local + inherited blocks      | forced all retrieval |
 | tidal        | whole layers (default 0, 1, 2 and 13/32 of depth: TidalDecode's full layers 0-1, selection layer 2, re-selection layer) | sparse | forced |
-| streamingllm | none                                          | streaming: sink + window of budget - sink    | not forced (streaming too) |
-| duo          | the given map's retrieval heads (full context) | streaming: sink + window of budget - sink   | not forced  |
+| streamingllm | none                                          | streaming: sink + window of budget + local   | not forced (streaming too) |
+| duo          | the given map's retrieval heads (full context) | streaming: sink + window of budget + local  | not forced  |
 | random       | same count as the given map beyond layer 0, placed at random (seeded) | sparse                   | forced      |
 | quest        | NOT AVAILABLE: see UNAVAILABLE                |                                              |             |
 
@@ -49,10 +52,15 @@ class MethodSpec:
     head_map: HeadMap | None        # None: dense (the uncompiled model)
     config: LycheeConfig | None
     description: str
+    budget: int | None = None       # the nominal budget (tokens a non-retrieval head attends beyond sink + local)
 
     @property
     def label(self) -> str:
-        return self.name if self.config is None else f"{self.name}@{self.config.budget}"
+        return self.name if self.config is None else f"{self.name}@{self.budget}"
+
+
+def _spec(budget, name, head_map, config, description) -> MethodSpec:
+    return MethodSpec(name, head_map, config, description, budget)
 
 
 def default_head_map(model) -> tuple[HeadMap, str]:
@@ -105,37 +113,38 @@ def method_spec(name: str, model, budget: int, head_map: HeadMap | None = None, 
         raise MethodError(f"unknown method {name!r}; available: {', '.join(METHODS)} "
                           f"(not available: {', '.join(UNAVAILABLE)})")
     if name == "dense":
-        return MethodSpec("dense", None, None, "dense attention, uncompiled model")
+        return MethodSpec("dense", None, None, "dense attention, uncompiled model", None)
     if head_map is None and name in ("lychee", "duo", "random"):
         head_map, _ = default_head_map(model)
     base = dict(budget=budget, block_size=block_size, sink_tokens=sink_tokens, backend=backend)
     n_layers, n_kv = model_geometry(model.config)
     if name == "lychee":
         cfg = LycheeConfig(local_tokens=local_tokens, **base)
-        return MethodSpec(name, head_map, cfg, f"given map ({int(head_map.retrieval.sum())} retrieval heads, "
+        return _spec(budget, name, head_map, cfg, f"given map ({int(head_map.retrieval.sum())} retrieval heads, "
                                                f"method={head_map.metadata.get('method', '?')}), sparse others")
     if name == "tidal":
         layers = tidal_layers(n_layers) if layers is None else sorted(layers)
         hm = HeadMap.for_model(model, layers=layers, method="tidal-layers")
-        return MethodSpec(name, hm, LycheeConfig(local_tokens=local_tokens, **base),
+        return _spec(budget, name, hm, LycheeConfig(local_tokens=local_tokens, **base),
                           f"whole layers {layers} retrieval, every other layer reuses their selection")
     if name == "random":
         count = retrieval_count_beyond_first(head_map)
         hm = random_map(model, count, seed)
-        return MethodSpec(name, hm, LycheeConfig(local_tokens=local_tokens, **base),
+        return _spec(budget, name, hm, LycheeConfig(local_tokens=local_tokens, **base),
                           f"{count} random retrieval heads beyond layer 0 (seed {seed}), sparse others")
-    # Streaming heads attend sink + a local window; at equal budget the window is budget - sink.
-    window = budget - sink_tokens
-    if window <= 0:
-        raise MethodError(f"budget {budget} leaves no local window after {sink_tokens} sink tokens")
+    # Streaming heads attend sink + a local window; at equal budget the window is budget + local_tokens (what a
+    # lychee sparse head attends besides its sink blocks). Streaming heads select nothing, so the config's budget
+    # is only set high enough to pass validation (sink + local <= budget); retrieval heads (duo) attend everything.
+    window = budget + local_tokens
+    base["budget"] = sink_tokens + window
     cfg = LycheeConfig(local_tokens=window, first_layer_retrieval=False, **base)
     if name == "streamingllm":
         hm = HeadMap(torch.zeros(n_layers, n_kv, dtype=torch.bool), {"method": "streamingllm"},
                      streaming=torch.ones(n_layers, n_kv, dtype=torch.bool)).with_model_metadata(model)
-        return MethodSpec(name, hm, cfg, f"every head streaming: {sink_tokens} sink + {window} local tokens")
+        return _spec(budget, name, hm, cfg, f"every head streaming: {sink_tokens} sink + {window} local tokens")
     # duo
     retrieval = head_map.retrieval.clone()
     hm = HeadMap(retrieval, {"method": "duo", "from": head_map.metadata.get("method", "?")},
                  streaming=~retrieval).with_model_metadata(model)
-    return MethodSpec(name, hm, cfg, f"{int(retrieval.sum())} retrieval heads full, others streaming "
+    return _spec(budget, name, hm, cfg, f"{int(retrieval.sum())} retrieval heads full, others streaming "
                                      f"({sink_tokens} sink + {window} local)")

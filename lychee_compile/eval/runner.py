@@ -41,7 +41,7 @@ def run_eval(model, tokenizer, items, specs: list[MethodSpec], progress: bool = 
             dt = time.perf_counter() - t0
             if ii == 0:
                 compile_s[v.label] = round(dt, 2)   # includes the first compile
-            records.append(dict(item=ii, method=v.spec.name, budget=None if v.spec.config is None else v.spec.config.budget,
+            records.append(dict(item=ii, method=v.spec.name, budget=v.spec.budget,
                                 label=v.label, nll=s.nll, hit_rate=sum(s.hits) / len(s.hits), all_hit=s.all_hit,
                                 n_targets=len(item.targets), score_s=round(dt, 3), prefill_s=round(prefill_s, 3),
                                 **item.meta))
@@ -63,7 +63,7 @@ def _results(task, records, variants, compile_s, started, partial=False) -> dict
                                      graphs_left_dense=c.graphs_left_dense)
     return dict(task=task, partial=partial, records=list(records), counters=counters, first_item_s=dict(compile_s),
                 variants=[dict(label=v.label, method=v.spec.name, description=v.spec.description,
-                               budget=None if v.spec.config is None else v.spec.config.budget,
+                               budget=v.spec.budget,
                                config=None if v.spec.config is None else _cfg_dict(v.spec.config),
                                head_map_digest=None if v.spec.head_map is None else v.spec.head_map.digest(),
                                retrieval_heads=None if v.spec.head_map is None else int(v.spec.head_map.retrieval.sum()),
