@@ -91,12 +91,12 @@ def test_lagrangian_term_pushes_expected_l0_down_when_over_budget():
     lag = Lagrangian(target=1, lr=1.0)
     lag.step(float(gates.constraint().detach()))               # E‖z‖0 = 44/12 > 1 -> λ > 0
     opt = torch.optim.SGD(gates.parameters(), lr=0.5)
-    before = float(gates.constraint())
+    before = float(gates.constraint().detach())
     for _ in range(5):
         opt.zero_grad()
         lag.term(gates.constraint()).backward()
         opt.step()
-    assert float(gates.constraint()) < before
+    assert float(gates.constraint().detach()) < before
 
 
 def _random_case(seed, B=1, Hkv=2, G=3, L=4, T=70, D=8, bs=8, k_sel=3):
