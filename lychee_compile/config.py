@@ -34,6 +34,10 @@ class LycheeConfig:
     # decays by `heat_decay` per step, in (0, 1).
     heat_blocks: int = 0
     heat_decay: float = 0.9
+    # Quest block bounds (ops/quest.py): "off"; "all" = every head selects its own top blocks by the bound (the
+    # Quest baseline); "sparse" = sparse heads add their own top `quest_blocks` blocks to the inherited ones.
+    quest: str = "off"
+    quest_blocks: int = 0
     # The first global layer is all retrieval (nothing precedes it). False only for baselines whose first layer
     # must stay streaming (StreamingLLM); a sparse head there then inherits nothing.
     first_layer_retrieval: bool = True
@@ -85,6 +89,16 @@ class LycheeConfig:
             hint = (" decay 1 never forgets: the earliest hot blocks lock in for good (EvoSparse)."
                     if decay == 1 else "")
             raise LycheeConfigError(f"LycheeConfig.heat_decay must be in (0, 1), got {decay!r}.{hint}")
+        from .ops.quest import QUEST_MODES
+        if self.quest not in QUEST_MODES:
+            raise LycheeConfigError(f"LycheeConfig.quest must be one of {sorted(QUEST_MODES)}, got {self.quest!r}.")
+        if isinstance(self.quest_blocks, bool) or not isinstance(self.quest_blocks, int) or self.quest_blocks < 0:
+            raise LycheeConfigError(f"LycheeConfig.quest_blocks must be an int >= 0, got {self.quest_blocks!r}.")
+        if self.quest == "sparse" and self.quest_blocks == 0:
+            raise LycheeConfigError("LycheeConfig(quest='sparse') needs quest_blocks > 0 (blocks each sparse head "
+                                    "adds by its Quest bound).")
+        if self.quest != "off" and self.heat_blocks > 0:
+            raise LycheeConfigError("Quest bounds and heat cannot be combined yet; enable one of them.")
         if not isinstance(self.first_layer_retrieval, bool):
             raise LycheeConfigError("LycheeConfig.first_layer_retrieval must be a bool.")
         if not isinstance(self.strict, bool):
@@ -96,6 +110,11 @@ class LycheeConfig:
     def policy_code(self) -> int:
         from .ops.policies import POLICIES
         return POLICIES[self.selection]
+
+    @property
+    def quest_code(self) -> int:
+        from .ops.quest import QUEST_MODES
+        return QUEST_MODES[self.quest]
 
     @property
     def num_select(self) -> int:

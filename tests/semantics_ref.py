@@ -178,3 +178,38 @@ class HeatSemantics(Semantics):
             for t, p in zip(attend, torch.softmax(logits, dim=0).tolist()):
                 heat[t // self.bs] = heat.get(t // self.bs, 0.0) + p
         return attend
+
+
+class QuestSemantics(Semantics):
+    """Semantics with Quest bounds, from the issue: per block, element-wise min/max of its valid keys; bound of the
+    group's mean query q: sum_i max(q_i*kmin_i, q_i*kmax_i). mode "all": every head attends sink + local + its own
+    top-K candidate blocks by the bound (ties to the lower block); mode "sparse": a sparse head adds its top
+    `quest_blocks` candidate blocks not already attended."""
+
+    def __init__(self, *args, quest, quest_blocks, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mode, self.quest_blocks = quest, quest_blocks
+
+    def _bound_ranking(self, qs, keys, valid, exclude):
+        qbar = torch.stack(qs).mean(0)
+        blocks = sorted({t // self.bs for t in valid} - exclude)
+        bound = {}
+        for blk in blocks:
+            ks = torch.stack([keys[t] for t in valid if t // self.bs == blk])
+            bound[blk] = float(torch.maximum(qbar * ks.min(0).values, qbar * ks.max(0).values).sum())
+        return sorted(blocks, key=lambda blk: (-bound[blk], blk))
+
+    def _decode_head(self, layer, b, h, qs, keys, valid, scale):
+        bs = self.bs
+        sink = {t // bs for t in valid[:self.sink]}
+        local = {t // bs for t in valid[len(valid) - self.local:]} if self.local > 0 else set()
+        if self.mode == "all":
+            own = self._bound_ranking(qs, keys, valid, sink | local)[:self.k]
+            return [t for t in valid if t // bs in sink | local | set(own)]
+        attend = super()._decode_head(layer, b, h, qs, keys, valid, scale)
+        is_retrieval = (self.first_forced and layer == self.global_layers[0]) or self.retrieval[layer][h]
+        if is_retrieval:
+            return attend
+        have = {t // bs for t in attend}
+        extra = self._bound_ranking(qs, keys, valid, sink | local | have)[:self.quest_blocks]
+        return [t for t in valid if t // bs in have | set(extra)]

@@ -23,7 +23,7 @@ if not real_model.is_available():
 
 from lychee_compile.eval.methods import method_spec  # noqa: E402
 from lychee_compile.eval.runner import run_eval, summarize  # noqa: E402
-from lychee_compile.eval.scoring import Variant, dense_prefill  # noqa: E402
+from lychee_compile.eval.scoring import Variant, dense_prefill, forward_logprobs  # noqa: E402
 from lychee_compile.eval.tasks import passkey_items, repeat_items  # noqa: E402
 
 
@@ -54,9 +54,7 @@ def test_repeat_dense_forward_and_decode_path_agree(smol):
     length, offset, window = 1024, 512, 12
     item = repeat_items(tok, length=length, n=1, score_tokens=window, score_offset=offset)[0]
     seg = item.input_ids[:, :length]
-    with torch.no_grad():
-        logits = model(torch.cat([seg, seg], 1)).logits[0].float()
-    lp = torch.log_softmax(logits[length - 1:2 * length - 1], -1).gather(1, seg[0, :, None])[:, 0]
+    lp = forward_logprobs(model, torch.cat([seg, seg], 1))[length - 1:]     # predictions of the second copy
     ppl_second_copy = math.exp(-lp.mean().item())
     assert 1.1 < ppl_second_copy < 1.35, ppl_second_copy
 

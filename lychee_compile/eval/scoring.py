@@ -135,3 +135,20 @@ class Variant:
             raise DenseFallback(f"{self.label}: the sparse path did not run (decode graphs {c.decode_graphs}, "
                                 f"sites rewritten {c.sites_rewritten}, graphs left dense {c.graphs_left_dense}, "
                                 f"reasons {c.reasons}); refusing to report its numbers")
+
+
+@torch.no_grad()
+def forward_logprobs(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Dense reference in one forward pass: log p(input_ids[t] | input_ids[:t]) for t = 1..n-1, fp32 [n - 1]."""
+    logits = model(input_ids).logits[0].float()
+    return torch.log_softmax(logits[:-1], -1).gather(1, input_ids[0, 1:, None])[:, 0]
+
+
+def repeat_forward_ppl(model, tokenizer, length: int, seed: int = 0) -> float:
+    """Dense perplexity of the whole second copy of [segment, segment] (the notes' repeat-test figure), one pass.
+    The segment is repeat_items(...)[0]'s: with seed 0 the first `length` tokens of Persuasion."""
+    import math
+    from .tasks import repeat_items
+    seg = repeat_items(tokenizer, length, n=1, score_tokens=1, seed=seed, score_offset=0)[0].input_ids
+    lp = forward_logprobs(model, torch.cat([seg, seg], 1))
+    return math.exp(-lp[length - 1:].mean().item())

@@ -52,11 +52,11 @@ def supported(q, k) -> str | None:
 
 
 def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
-                           policy=0, policy_param=0.0):
-    # The templates implement the default top-K policy; other selection policies run the reference (extern).
-    if supported(q, k) is not None or policy != 0:
+                           policy=0, policy_param=0.0, quest_mode=0, quest_blocks=0):
+    # The templates implement the default top-K policy without Quest bounds; the rest runs the reference (extern).
+    if supported(q, k) is not None or policy != 0 or quest_mode != 0:
         return _fallback(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
-                         policy, policy_param)
+                         policy, policy_param, quest_mode, quest_blocks)
     B, Hq, _, D = q.get_size()
     T = k.get_size()[2]
     Hq, Hkv, D, K_sel = (compat.static_int(x) for x in (Hq, k.get_size()[1], D, idx_in.get_size()[2]))

@@ -1,7 +1,7 @@
 """The op contract: `torch.ops.lychee.hybrid_decode`, one decode step of hybrid attention for one global layer.
 
     hybrid_decode(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
-                  policy=0, policy_param=0.0) -> (out, idx_out)
+                  policy=0, policy_param=0.0, quest_mode=0, quest_blocks=0) -> (out, idx_out)
 
 Shapes and dtypes are documented in reference.py (the math) and index_state.py (idx_in / idx_out). The op is
 functional (mutates nothing), so FX passes may move it like any pure node and Inductor may lower it. Its CPU/CUDA
@@ -21,14 +21,15 @@ OP_NAME = "lychee::hybrid_decode"
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def hybrid_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
                   retrieval: torch.Tensor, idx_in: torch.Tensor, scale: float, block_size: int,
-                  sink_tokens: int, local_tokens: int, policy: int = 0,
-                  policy_param: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                  sink_tokens: int, local_tokens: int, policy: int = 0, policy_param: float = 0.0,
+                  quest_mode: int = 0, quest_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
-                                   policy, policy_param)
+                                   policy, policy_param, quest_mode=quest_mode, quest_blocks=quest_blocks)
 
 
 @hybrid_decode.register_fake
-def _(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, policy=0, policy_param=0.0):
+def _(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, policy=0, policy_param=0.0,
+      quest_mode=0, quest_blocks=0):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "q, k, v must be 4-D [B, H, T, D]")
     torch._check(q.shape[2] == 1, lambda: "hybrid_decode takes query length 1")
     torch._check(q.shape[1] % k.shape[1] == 0, lambda: "query heads must be a multiple of KV heads")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .quest import QUEST_MODES, block_min_max, quest_bound
 from .policies import POLICIES, ranked_selection, select_top_blocks  # noqa: F401  (select_top_blocks: training)
 
 
@@ -60,7 +61,8 @@ def blocks_of_index(idx: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, block_size: int,
                             sink_tokens: int, local_tokens: int, policy: int = POLICIES["topk"],
-                            policy_param: float = 0.0, heat=None, heat_decay: float = 0.0, heat_blocks: int = 0):
+                            policy_param: float = 0.0, heat=None, heat_decay: float = 0.0, heat_blocks: int = 0,
+                            quest_mode: int = 0, quest_blocks: int = 0):
     """-> (out, idx_out) or, with `heat` fp32 [B, Hkv, NBH >= nb] given, (out, idx_out, heat_out); see heat.py."""
     B, Hq, L, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
@@ -84,6 +86,18 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
 
     # Sparse heads: inherited blocks plus sink and local blocks, valid positions only.
     sparse_blk = blocks_of_index(idx_in, nb) | (sink_blk | local_blk)[:, None, :]                   # [B,Hkv,nb]
+    is_retrieval = retrieval.to(torch.bool)[None, :, None]                                          # [1,Hkv,1]
+    if quest_mode:
+        # Quest bound per block from min/max of its valid keys; QUEST_ALL: every head is a Quest head.
+        bound = quest_bound(q.float().reshape(B, Hkv, G, D), *block_min_max(k, valid, block_size, nb))
+        if quest_mode == QUEST_MODES["all"]:
+            own = ranked_selection(bound, candidate, k_sel, 1, POLICIES["topk"], 0.0, fixed_mass, valid_blk)
+            sparse_blk = blocks_of_index(own, nb) | (sink_blk | local_blk)[:, None, :]
+            is_retrieval = torch.zeros_like(is_retrieval)
+            selected = idx_in = own
+        else:
+            sparse_blk = sparse_blk | blocks_of_index(
+                select_top_blocks(bound, candidate & ~sparse_blk, quest_blocks), nb)
     if heat is not None and heat_blocks > 0:
         # EvoSparse: a sparse head also attends its hottest blocks (heat of earlier steps), this layer only.
         warm = heat[..., :nb] > 0
@@ -91,7 +105,6 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
             select_top_blocks(heat[..., :nb], warm & ~sparse_blk & valid_blk[:, None, :], heat_blocks), nb)
     sparse_tok = sparse_blk.repeat_interleave(block_size, dim=-1)[..., :T] & valid[:, None, :]      # [B,Hkv,T]
 
-    is_retrieval = retrieval.to(torch.bool)[None, :, None]                                          # [1,Hkv,1]
     attend = torch.where(is_retrieval, valid[:, None, :], sparse_tok)                              # [B,Hkv,T]
     p = torch.where(is_retrieval[..., None], p_full, masked_softmax(scores, attend[:, :, None, :]))
     out = torch.einsum("bhgt,bhtd->bhgd", p, v.float()).reshape(B, Hq, 1, D).to(q.dtype)

@@ -45,7 +45,7 @@ def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int):
     tail = (site.scale, cfg.block_size, cfg.sink_tokens, cfg.local_tokens, cfg.policy_code,
             float(cfg.selection_param))
     if ctx.heat_input is None:
-        return graph.call_function(hybrid_decode_op(), args + tail)
+        return graph.call_function(hybrid_decode_op(), args + tail + (cfg.quest_code, cfg.quest_blocks))
     heat = graph.call_function(heat_slot, (ctx.heat_input, slot))
     return graph.call_function(torch.ops.lychee.hybrid_decode_heat.default,
                                args + (heat,) + tail + (float(cfg.heat_decay), cfg.heat_blocks))
