@@ -18,6 +18,7 @@ import torch
 from .backend import make_backend
 from .config import LycheeConfig, LycheeConfigError
 from .head_map import HeadMap, HeadMapError
+from .rectify import install_rectification
 from .passes import Counters, LycheeCompileError, PassContext, run_passes
 
 _STATE_ATTR = "_lychee_state"
@@ -45,11 +46,16 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     head_map.validate_for(model, config.strict)
 
     global_layers = probe_global_layers(model, config)
+    if config.rectify_every and len(global_layers) != model.config.num_hidden_layers:
+        raise LycheeConfigError("rectify_every needs every layer to be global: sliding-window layers keep ring "
+                                "buffers whose slots cannot be re-encoded in place. Use rectify_every=0 here.")
     retrieval = head_map.effective(global_layers, config.first_layer_retrieval)
     counters = Counters()
     snapshots: list[str] = []
     backend = make_backend(model, config, retrieval, head_map.streaming, counters, head_map.digest(), snapshots)
     _install(model, backend)
+    if config.rectify_every:
+        install_rectification(model, config.rectify_every)
     if config.heat_blocks > 0:
         _install_heat_state(model, config, len(global_layers), head_map.shape[1])
     _guard_generate(model, counters, config.strict)

@@ -38,6 +38,9 @@ class LycheeConfig:
     # Quest baseline); "sparse" = sparse heads add their own top `quest_blocks` blocks to the inherited ones.
     quest: str = "off"
     quest_blocks: int = 0
+    # Dense rectification (rectify.py): every `rectify_every` decode steps, re-encode those tokens densely and
+    # overwrite their K/V (0 = off; LycheeDecode uses 32, ReSA studies 16-64).
+    rectify_every: int = 0
     # The first global layer is all retrieval (nothing precedes it). False only for baselines whose first layer
     # must stay streaming (StreamingLLM); a sparse head there then inherits nothing.
     first_layer_retrieval: bool = True
@@ -99,6 +102,9 @@ class LycheeConfig:
                                     "adds by its Quest bound).")
         if self.quest != "off" and self.heat_blocks > 0:
             raise LycheeConfigError("Quest bounds and heat cannot be combined yet; enable one of them.")
+        if isinstance(self.rectify_every, bool) or not isinstance(self.rectify_every, int) or self.rectify_every < 0:
+            raise LycheeConfigError(f"LycheeConfig.rectify_every must be an int >= 0 (0 = off), got "
+                                    f"{self.rectify_every!r}.")
         if not isinstance(self.first_layer_retrieval, bool):
             raise LycheeConfigError("LycheeConfig.first_layer_retrieval must be a bool.")
         if not isinstance(self.strict, bool):
