@@ -39,6 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--samples", type=int, default=12, help="training prompts (default 12)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-seed", type=int, default=None,
+                   help="seed of the training prompts (default: --seed); --seed alone then varies only the gates' noise")
     p.add_argument("--select", choices=("threshold", "topk"), default=None,
                    help="map rule: E[z] > 0.5 (default for hardkuma/hardconcrete) or top-N scores (default for "
                         "duo/retrieval-score/random)")
@@ -97,8 +99,9 @@ def run(args) -> int:
         meta.update(selection="topk", steps="0", data="none (seeded random map, the control)")
     else:
         data_cache = args.data_cache or os.path.join(cache_root(), "train-data")
-        samples = build_dataset(model, tok, args.prompt_tokens, args.samples, args.seed, data_cache, progress)
-        meta["data"] = describe(samples, args.prompt_tokens, args.seed)
+        data_seed = args.seed if args.data_seed is None else args.data_seed
+        samples = build_dataset(model, tok, args.prompt_tokens, args.samples, data_seed, data_cache, progress)
+        meta["data"] = describe(samples, args.prompt_tokens, data_seed)
         if args.method == "retrieval-score":
             from .retrieval_score import retrieval_scores
             scores = retrieval_scores(model, tok, samples, progress)
