@@ -68,9 +68,9 @@ def test_checkpoint_with_other_settings_is_refused(tmp_path):
 
 def test_duo_tsv_import(tmp_path):
     p = tmp_path / "full_attention_heads.tsv"
-    p.write_text("1.0\t0.2\t0.7\n0.1\t0.9\t0.3\n# comment\n\n0.0\t0.6\t0.55\n")
+    p.write_text("1.000000000000000000e+00\t2.0e-01\t0.7\n0.1\t0.9\t0.3\n# comment\n\n-0.1\t0.6\t0.5\n")
     scores = read_duo_tsv(str(p))
-    assert scores.shape == (3, 3)
+    assert scores.shape == (3, 3) and float(scores.min()) == 0.0      # clipped to [0, 1] like DuoAttention
     hm = duo_to_head_map(scores, threshold=0.5, source=str(p))
     assert hm.retrieval.tolist() == [[True, False, True], [False, True, False], [False, True, True]]
     assert hm.metadata["method"] == "duo-import"

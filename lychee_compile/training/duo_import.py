@@ -1,7 +1,9 @@
 """Import DuoAttention's public per-KV-head patterns (e.g. `full_attention_heads.tsv`) into a HeadMap.
 
-The file has one row per layer and one tab-separated value per KV head: the learned gate α ∈ [0, 1] (1 = the head
-needs full attention, i.e. a retrieval head). Blank lines and lines starting with '#' are skipped.
+The file has one row per layer and one tab-separated value per KV head (numpy.savetxt, e.g. 1.000000000000000000e+00):
+the learned gate α (1 = the head needs full attention, i.e. a retrieval head), clipped to [0, 1] as DuoAttention's
+load_attn_pattern does. A head is retrieval iff α >= threshold (DuoAttention's rule), or keep the N largest.
+Blank lines and lines starting with '#' are skipped.
     python -m lychee_compile.training.duo_import full_attention_heads.tsv --out map.safetensors [--threshold 0.5 |
         --retrieval-heads N]
 """
@@ -31,7 +33,7 @@ def read_duo_tsv(path: str) -> torch.Tensor:
     widths = {len(r) for r in rows}
     if len(widths) != 1:
         raise HeadMapError(f"{path}: rows have different numbers of heads {sorted(widths)}")
-    return torch.tensor(rows, dtype=torch.float32)
+    return torch.tensor(rows, dtype=torch.float32).clamp(0.0, 1.0)
 
 
 def duo_to_head_map(scores: torch.Tensor, threshold: float | None = 0.5, retrieval_heads: int | None = None,
@@ -44,8 +46,8 @@ def duo_to_head_map(scores: torch.Tensor, threshold: float | None = 0.5, retriev
         retrieval = keep.reshape(scores.shape)
         rule = f"top-{retrieval_heads}"
     else:
-        retrieval = scores > threshold
-        rule = f"alpha>{threshold}"
+        retrieval = scores >= threshold
+        rule = f"alpha>={threshold}"
     return HeadMap(retrieval, {"method": "duo-import", "source": source, "selection": rule,
                                "retrieval_heads": str(int(retrieval.sum()))})
 
