@@ -7,7 +7,7 @@
 Each prompt is prefilled once, densely; every method scores a copy of that cache with teacher-forced decode steps
 through the callable generate() compiles (see lychee_compile/eval/scoring.py). Writes TASK.json (every record,
 settings, compile counters) and TASK.md (table with 95% intervals) to --out, and passkey heatmaps per method.
-Methods: dense, lychee, tidal, streamingllm, duo, random (quest: not available, see eval/methods.py).
+Methods: dense, lychee, tidal, streamingllm, duo, random, quest (see eval/methods.py for each one's mapping).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ select nothing, so that field only has to pass validation).
 | streamingllm | none                                          | streaming: sink + window of budget + local   | not forced (streaming too) |
 | duo          | the given map's retrieval heads (full context) | streaming: sink + window of budget + local  | not forced  |
 | random       | same count as the given map beyond layer 0, placed at random (seeded) | sparse                   | forced      |
-| quest        | NOT AVAILABLE: see UNAVAILABLE                |                                              |             |
+| quest        | none: every head of every layer attends sink + local + its own top budget/block_size blocks by the Quest bound sum_i max(q_i kmin_i, q_i kmax_i) (LycheeConfig.quest="all"; GQA queries pooled) | | |
 
 A retrieval head attends the whole context (and selects blocks for the sparse heads after it), so DuoAttention's
 "retrieval heads keep full attention" is exactly a lychee retrieval head.
@@ -32,12 +32,11 @@ import torch
 from ..config import LycheeConfig
 from ..head_map import HeadMap, model_geometry
 
-METHODS = ("dense", "lychee", "tidal", "streamingllm", "duo", "random")
-UNAVAILABLE = {
-    "quest": ("Quest selects blocks per head from per-block min/max key descriptors kept in the KV cache "
-              "(sum_i max(q_i*kmin_i, q_i*kmax_i)); those descriptors do not exist yet (issue 7 builds them), "
-              "so Quest is not implemented."),
-}
+METHODS = ("dense", "lychee", "tidal", "streamingllm", "duo", "random", "quest")
+UNAVAILABLE: dict[str, str] = {}
+if "quest" not in {f.name for f in __import__("dataclasses").fields(LycheeConfig)}:   # older checkouts
+    METHODS = METHODS[:-1]
+    UNAVAILABLE["quest"] = "this LycheeConfig has no Quest bounds (LycheeConfig.quest)"
 LEARNED_MAP = "smollm2-135m.safetensors"        # lychee_compile/data/, shipped by the head-map work (issue 5)
 PLACEHOLDER_LAYERS = (0, 1, 15)                 # the demo's placeholder (cli.PLACEHOLDER_LAYERS)
 
@@ -132,6 +131,13 @@ def method_spec(name: str, model, budget: int, head_map: HeadMap | None = None, 
         hm = random_map(model, count, seed)
         return _spec(budget, name, hm, LycheeConfig(local_tokens=local_tokens, **base),
                           f"{count} random retrieval heads beyond layer 0 (seed {seed}), sparse others")
+    if name == "quest":
+        # The op's quest="all" makes every head a Quest head (the map's retrieval marks are overridden); the
+        # bounds are recomputed from the cache each step (exact min/max; no incremental descriptor buffer yet).
+        hm = HeadMap.for_model(model, layers=[0], method="quest")
+        cfg = LycheeConfig(local_tokens=local_tokens, quest="all", **base)
+        return _spec(budget, name, hm, cfg, f"every head Quest: sink + local + own top {cfg.num_select} blocks "
+                                            "by the min/max key bound")
     # Streaming heads attend sink + a local window; at equal budget the window is budget + local_tokens (what a
     # lychee sparse head attends besides its sink blocks). Streaming heads select nothing, so the config's budget
     # is only set high enough to pass validation (sink + local <= budget); retrieval heads (duo) attend everything.
