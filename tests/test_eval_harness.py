@@ -228,3 +228,14 @@ def test_ruler_items(name):
             chain = [text.index(f"VAR {names[j + 1]} = VAR {names[j]}.") for j in range(len(names) - 1)]
             assert chain == sorted(chain) and text.index(f"VAR {names[0]} =") < chain[0]
     assert [i.meta for i in ruler.RULER_TASKS[name](tok, 1200, n=2)] == [i.meta for i in items]   # seeded
+
+
+def test_plot_budget_sweep(tmp_path):
+    from lychee_compile.eval.runner import plot_budget_sweep
+    rows = [dict(method="dense", budget=None, n=4, accuracy=1.0, accuracy_ci=(0.5, 1.0), ppl=1.2, ppl_ci=(1.1, 1.3))]
+    for m in ("lychee", "duo"):
+        for b in (256, 512):
+            rows.append(dict(method=m, budget=b, n=4, accuracy=0.5, accuracy_ci=(0.1, 0.9), ppl=2.0, ppl_ci=(1.5, 3.0)))
+    for task in ("passkey", "repeat"):
+        plot_budget_sweep([rows], str(tmp_path / f"{task}.png"), task)
+        assert (tmp_path / f"{task}.png").stat().st_size > 1000

@@ -185,3 +185,43 @@ def write_outputs(results: dict, summary: list[dict], out_dir: str, heatmaps: bo
             plot_heatmap(results, v["label"], p)
             paths.setdefault("png", []).append(p)
     return paths
+
+
+def plot_budget_sweep(summaries: list[list[dict]], path: str, task: str, title: str = "") -> None:
+    """Accuracy (passkey/RULER) or perplexity (repeat/ppl) vs budget, one line per method with 95% CI bars, dense
+    as a band. `summaries`: summarize() outputs of runs over the same prompts (e.g. a main and a supplementary run)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    acc = task not in ("repeat", "ppl")
+    rows = [r for s in summaries for r in s]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    dense = next((r for r in rows if r["method"] == "dense"), None)
+    if dense is not None:
+        val, ci = (dense["accuracy"], dense["accuracy_ci"]) if acc else (dense["ppl"], dense["ppl_ci"])
+        ax.axhline(val, color="k", lw=1, label=f"dense (n={dense['n']})")
+        ax.axhspan(ci[0], ci[1], color="k", alpha=0.08)
+    methods = []
+    for r in rows:
+        if r["method"] != "dense" and r["method"] not in methods:
+            methods.append(r["method"])
+    for i, m in enumerate(methods):
+        pts = sorted((r for r in rows if r["method"] == m), key=lambda r: r["budget"])
+        xs = [r["budget"] * (1 + 0.03 * (i - len(methods) / 2)) for r in pts]   # small offsets: bars stay apart
+        ys = [r["accuracy"] if acc else r["ppl"] for r in pts]
+        cis = [r["accuracy_ci"] if acc else r["ppl_ci"] for r in pts]
+        ax.errorbar(xs, ys, yerr=[[y - c[0] for y, c in zip(ys, cis)], [c[1] - y for y, c in zip(ys, cis)]],
+                    marker="o", capsize=3, label=m)
+    ax.set_xscale("log", base=2)
+    budgets = sorted({r["budget"] for r in rows if r["budget"]})
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel("budget (tokens per non-retrieval head, beyond sink + local)")
+    ax.set_ylabel("accuracy" if acc else "perplexity (log scale)")
+    if not acc:
+        ax.set_yscale("log")
+    ax.set_title(title or task, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
