@@ -29,7 +29,7 @@ def cases(draw):
     batch = draw(st.integers(1, 3))
     lengths = tuple(draw(st.lists(st.integers(1, 28), min_size=batch, max_size=batch)))
     block = draw(st.sampled_from([1, 2, 4, 8]))
-    budget = block * draw(st.integers(1, 4)) - draw(st.integers(0, block - 1))
+    budget = block * draw(st.integers(1, 4)) + draw(st.integers(0, block - 1))   # >= block_size, not aligned
     sink = draw(st.integers(0, budget // 2))
     local = draw(st.integers(0, budget - sink))
     model = make(arch, attn)
