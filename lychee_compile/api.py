@@ -87,6 +87,11 @@ def _check_model(model) -> None:
                                  "weights. Set it to False.")
     if model.training:
         raise LycheeCompileError("the model is in training mode (dropout active); call model.eval() first.")
+    param = next(model.parameters(), None)
+    if param is not None and (param.device.type == "meta" or not param.dtype.is_floating_point):
+        raise LycheeCompileError(f"the model's weights are {param.dtype} on device '{param.device.type}': "
+                                 "lychee_compile needs materialized floating-point weights (fp32/bf16/fp16) on "
+                                 "CPU or CUDA. Load the weights (or de-quantize) first.")
     impl = getattr(config, "_attn_implementation", None)
     if impl not in (None, "sdpa", "eager"):
         raise LycheeCompileError(f"attention implementation {impl!r} is not captured by lychee_compile; load the "

@@ -143,12 +143,17 @@ def _llama_training():
     return make("llama").train()
 
 
+def _llama_on_meta():
+    return make("llama").to("meta")
+
+
 @pytest.mark.parametrize("make_model,message", [
     (_bloom_alibi, "no attention found"),                      # ALiBi through baddbmm: not a form we reproduce
     (_t5_encoder_decoder, "encoder-decoder"),
     (_llama_output_attentions, "output_attentions=True"),
     (_llama_training, "training mode"),
-], ids=["alibi-bloom", "encoder-decoder", "output-attentions", "training"])
+    (_llama_on_meta, "device 'meta'"),
+], ids=["alibi-bloom", "encoder-decoder", "output-attentions", "training", "meta-device"])
 def test_unsupported_models_are_refused_and_untouched(make_model, message):
     model = make_model()
     gen_before = copy.deepcopy(model.generation_config.to_dict())
@@ -156,7 +161,7 @@ def test_unsupported_models_are_refused_and_untouched(make_model, message):
     with pytest.raises(LycheeCompileError, match=message):
         lychee_compile(model, HeadMap.for_model(model), LycheeConfig(backend="eager"))
     assert model.generation_config.to_dict() == gen_before and not hasattr(model, "_lychee_state")
-    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert all(v.is_meta or torch.equal(v, weights[k]) for k, v in model.state_dict().items())
 
 
 def test_generate_that_bypasses_the_rewrite_is_not_silent():
