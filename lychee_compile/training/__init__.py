@@ -9,8 +9,11 @@
     retrieval_score.py  training-free retrieval score (Wu et al. 2024)
     duo_import.py       DuoAttention per-KV-head TSV patterns -> HeadMap
     compare.py          passkey accuracy of several maps through lychee_compile at equal retrieval-head count
+    reselect.py         re-derive a map (top-N / threshold) from the scores a trained map keeps in its metadata
     plots.py            E[z] per head over steps (heatmap) and the final map
     cli.py              `lychee train-heads`
+
+The shipped SmolLM2-135M map: shipped_map_path() / load_shipped_map() (lychee_compile/data/smollm2-135m.safetensors).
 """
 
 
