@@ -64,9 +64,16 @@ def demo(args) -> int:
         from .head_map import HeadMap
         head_map = HeadMap.load(args.head_map)
         map_desc = f"loaded from {args.head_map}: {head_map!r}"
+    elif not args.placeholder_map:
+        from .training import load_shipped_map, shipped_map_path
+        head_map = load_shipped_map()
+        meta = head_map.metadata
+        map_desc = (f"LEARNED (shipped): {shipped_map_path()} -- {head_map!r}, {meta.get('steps', '?')} training "
+                    f"steps, made by `{meta.get('source_command', '?')}` (see EVALUATION.md); "
+                    f"--placeholder-map for the layer-level placeholder")
     else:
         head_map, layers = _placeholder_head_map(model)
-        map_desc = (f"PLACEHOLDER (no learned map yet): whole layers {layers} are retrieval heads, every other "
+        map_desc = (f"PLACEHOLDER (--placeholder-map): whole layers {layers} are retrieval heads, every other "
                     f"layer's heads are sparse and reuse the blocks the latest retrieval layer selected "
                     f"(TidalDecode-like layer-level map, method='placeholder-layers')")
     print(f"lychee: budget {config.budget} tokens (block {config.block_size}, sink {config.sink_tokens}, local "
@@ -138,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--threads", type=int, default=1,
                    help="torch.set_num_threads (default 1; on a loaded 2-core machine 1 thread was the fastest)")
     d.add_argument("--max-new-tokens", type=int, default=16)
-    d.add_argument("--head-map", help="a HeadMap .safetensors file instead of the placeholder layer map")
+    d.add_argument("--head-map", help="a HeadMap .safetensors file instead of the shipped learned map")
+    d.add_argument("--placeholder-map", action="store_true",
+                   help="use the TidalDecode-like layer-level placeholder map (layers 0, 1 and the middle one)")
     d.add_argument("--non-strict", action="store_true", help="LycheeConfig(strict=False)")
     d.add_argument("--repeat", action="store_true", help="run the lychee generate a second time (already compiled)")
     d.add_argument("--traceback", action="store_true", help="show the full traceback if lychee_compile fails")
