@@ -18,7 +18,8 @@ import time
 def add_parser(sub) -> None:
     from .methods import METHODS, UNAVAILABLE
     from .tasks import DEPTHS, NOT_DONE_TASKS, TASKS
-    p = sub.add_parser("eval", help="quality of methods x budgets on the real model (passkey, repeat, ppl, RULER-style)",
+    import argparse
+    p = sub.add_parser("eval", formatter_class=argparse.RawDescriptionHelpFormatter, help="quality of methods x budgets on the real model (passkey, repeat, ppl, RULER-style)",
                        description=__doc__.split("\n\n", 1)[1].strip(),
                        epilog="not available: " + "; ".join(f"{k}: {v}" for k, v in {**UNAVAILABLE,
                                                                                       **NOT_DONE_TASKS}.items()))
