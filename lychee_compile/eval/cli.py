@@ -1,7 +1,6 @@
 """`lychee eval`: quality of methods x budgets on SmolLM2-135M-Instruct through the compiled decode path.
 
-    lychee eval --task passkey --method dense,lychee,streamingllm,duo,random --budget 256,512 \
-        --lengths 2048 --trials 2 --out eval_out
+    lychee eval --task passkey --method dense,lychee,streamingllm,duo,random --budget 256,512 --lengths 2048 --trials 2
     lychee eval --task repeat --method dense,lychee --budget 512 --length 2048 --prompts 4 --score-tokens 32
 
 Each prompt is prefilled once, densely; every method scores a copy of that cache with teacher-forced decode steps
