@@ -59,6 +59,30 @@ GLOSSARY = '''
     # ---------------------------------------------------------------------------------------------------------
 '''
 
+# Both kernels' modules need the row extent helper; one text serves both templates.
+ROW_EXTENT_SOURCE = '''
+@triton.jit
+def _lychee_row_extent(VROW, stride_t, T, SCAN: tl.constexpr):
+    """First valid position lo and one past the last valid position hi of a row (lo == hi == 0 if none)."""
+    offs = tl.arange(0, SCAN)
+    lo = tl.zeros([], tl.int32) + T
+    start = tl.zeros([], tl.int32)
+    while (start < T) & (lo == T):
+        pos = start + offs
+        v = tl.load(VROW + pos * stride_t, mask=pos < T, other=0)
+        lo = tl.minimum(lo, tl.min(tl.where(v != 0, pos, T), 0))
+        start += SCAN
+    hi = tl.zeros([], tl.int32)
+    end = tl.zeros([], tl.int32) + T
+    while (end > 0) & (hi == 0):
+        pos = end - SCAN + offs
+        v = tl.load(VROW + pos * stride_t, mask=(pos >= 0) & (pos < T), other=0)
+        hi = tl.maximum(hi, tl.max(tl.where(v != 0, pos + 1, 0), 0))
+        end -= SCAN
+    lo = tl.where(hi == 0, 0, lo)
+    return lo, hi
+'''
+
 SPLIT_SOURCE = '''
 {{def_kernel("Q", "K", "V", "VALID", "RETR", "IDX", "PM", "PL", "BLSE", "CNT")}}
 ''' + GLOSSARY + '''
@@ -183,27 +207,7 @@ SPLIT_SOURCE = '''
         g_cur += lt1 - lt0
 ''' + '''
 
-@triton.jit
-def _lychee_row_extent(VROW, stride_t, T, SCAN: tl.constexpr):
-    """First valid position lo and one past the last valid position hi of a row (lo == hi == 0 if none)."""
-    offs = tl.arange(0, SCAN)
-    lo = tl.zeros([], tl.int32) + T
-    start = tl.zeros([], tl.int32)
-    while (start < T) & (lo == T):
-        pos = start + offs
-        v = tl.load(VROW + pos * stride_t, mask=pos < T, other=0)
-        lo = tl.minimum(lo, tl.min(tl.where(v != 0, pos, T), 0))
-        start += SCAN
-    hi = tl.zeros([], tl.int32)
-    end = tl.zeros([], tl.int32) + T
-    while (end > 0) & (hi == 0):
-        pos = end - SCAN + offs
-        v = tl.load(VROW + pos * stride_t, mask=(pos >= 0) & (pos < T), other=0)
-        hi = tl.maximum(hi, tl.max(tl.where(v != 0, pos + 1, 0), 0))
-        end -= SCAN
-    lo = tl.where(hi == 0, 0, lo)
-    return lo, hi
-'''
+''' + ROW_EXTENT_SOURCE + ''''''
 
 COMBINE_SOURCE = '''
 {{def_kernel("PACC", "PM", "PL", "BLSE", "VALID", "RETR", "IDX", "IDXO", "KEYS", "CNT")}}
@@ -373,27 +377,7 @@ def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, KSEL: tl.constexpr, KP: tl.c
     tl.store(OUT_ROW + slots * stride_o, tl.full([KP], -1, tl.int32), mask=(slots >= ntaken) & (slots < KSEL))
 
 
-@triton.jit
-def _lychee_row_extent(VROW, stride_t, T, SCAN: tl.constexpr):
-    # first valid position lo and one past the last valid position hi of a row (lo == hi == 0 if none)
-    offs = tl.arange(0, SCAN)
-    lo = tl.zeros([], tl.int32) + T
-    start = tl.zeros([], tl.int32)
-    while (start < T) & (lo == T):
-        pos = start + offs
-        v = tl.load(VROW + pos * stride_t, mask=pos < T, other=0)
-        lo = tl.minimum(lo, tl.min(tl.where(v != 0, pos, T), 0))
-        start += SCAN
-    hi = tl.zeros([], tl.int32)
-    end = tl.zeros([], tl.int32) + T
-    while (end > 0) & (hi == 0):
-        pos = end - SCAN + offs
-        v = tl.load(VROW + pos * stride_t, mask=(pos >= 0) & (pos < T), other=0)
-        hi = tl.maximum(hi, tl.max(tl.where(v != 0, pos + 1, 0), 0))
-        end -= SCAN
-    lo = tl.where(hi == 0, 0, lo)
-    return lo, hi
-'''
+''' + ROW_EXTENT_SOURCE + ''''''
 
 
 def interpreting() -> bool:
