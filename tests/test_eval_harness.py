@@ -213,7 +213,7 @@ def test_ruler_items(name):
     for it in items:
         text = tok.decode(it.input_ids[0].tolist())
         answer = tok.decode(it.targets)
-        assert abs(it.input_ids.shape[1] - 1200) <= 12 and (text.endswith(" are") or text.endswith(" is"))
+        assert abs(it.input_ids.shape[1] - 1200) <= 12 and (text.endswith(" are:") or text.endswith(" is:"))
         assert it.max_cache_len >= it.input_ids.shape[1] + len(it.targets)
         if name == "multikey":
             assert answer == " " + it.meta["answer"]

@@ -79,7 +79,7 @@ def multikey_items(tokenizer, length: int = 2048, n: int = 4, keys: int = 4, see
         q = rng.randrange(keys)
         ids, depths = _needles_prompt(tokenizer, length, needles,
                                       f"What is the special magic number for {words[q]}? Answer with the number only.",
-                                      f"The special magic number for {words[q]} is", s)
+                                      f"The special magic number for {words[q]} is:", s)
         items.append(_item(tokenizer, ids, " " + values[q], length,
                            dict(task="multikey", length=length, seed=s, key=words[q], answer=values[q],
                                 depth=round(depths[q], 3), keys=keys)))
@@ -96,7 +96,7 @@ def multivalue_items(tokenizer, length: int = 2048, n: int = 4, values: int = 3,
         needles = [f"One of the special magic numbers for {word} is: {v}." for v in vals]
         ids, _ = _needles_prompt(tokenizer, length, needles,
                                  f"What are all the special magic numbers for {word}? List them in order.",
-                                 f"The special magic numbers for {word} are", s)
+                                 f"The special magic numbers for {word} are:", s)
         items.append(_item(tokenizer, ids, " " + ", ".join(vals), length,
                            dict(task="multivalue", length=length, seed=s, key=word, answer=vals)))
     return items
@@ -112,7 +112,7 @@ def vartrack_items(tokenizer, length: int = 2048, n: int = 4, hops: int = 3, see
         needles = [f"VAR {names[0]} = {value}."] + [f"VAR {names[j + 1]} = VAR {names[j]}." for j in range(hops)]
         ids, _ = _needles_prompt(tokenizer, length, needles,
                                  f"Find all variables that are assigned the value {value}, in the order of the text.",
-                                 f"The variables assigned the value {value} are", s)
+                                 f"The variables assigned the value {value} are:", s)
         items.append(_item(tokenizer, ids, " " + ", ".join(names), length,
                            dict(task="vartrack", length=length, seed=s, value=value, answer=names)))
     return items
