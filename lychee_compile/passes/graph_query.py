@@ -67,20 +67,11 @@ def dtype(node):
     return v.dtype if isinstance(v, torch.Tensor) else None
 
 
-def static_int(x) -> int | None:
-    """x if it is a plain int (a static size), None if symbolic."""
-    return x if isinstance(x, int) else None
-
-
 def arg(node: torch.fx.Node, index: int, name: str, default=None):
     """Positional-or-keyword argument of a call node."""
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
-
-
-def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
-    return [a for a in node.all_input_nodes if isinstance(value(a), torch.Tensor)]
 
 
 def module_path(node: torch.fx.Node) -> str | None:
