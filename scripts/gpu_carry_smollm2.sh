@@ -11,14 +11,13 @@
 #   call 1, carry [".gpucarry/smollm2.gguf.part1"]:
 #     mkdir -p /tmp/lychee_gpu && cp .gpucarry/smollm2.gguf.part1 /tmp/lychee_gpu/ && ls -l /tmp/lychee_gpu
 #   call 2, carry [".gpucarry/smollm2.gguf.part2", ".gpucarry/smollm2.sha256", ".gpucarry/whl"]:
-#     set -e; cd /tmp/lychee_gpu && cp $OLDPWD/.gpucarry/smollm2.gguf.part2 . \
-#       && cat smollm2.gguf.part1 smollm2.gguf.part2 > smollm2.gguf \
-#       && echo "$(cat $OLDPWD/.gpucarry/smollm2.sha256)  smollm2.gguf" | sha256sum -c - && cd $OLDPWD \
-#       && python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpucarry/whl/*.whl \
-#       && export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH LYCHEE_SMOLLM2_GGUF=/tmp/lychee_gpu/smollm2.gguf \
-#          LYCHEE_CACHE=/tmp/lychee_gpu/cache TORCHINDUCTOR_CACHE_DIR=/tmp/lychee_gpu/inductor PYTHONUNBUFFERED=1 \
-#       && python benchmarks/real_gpu.py --stages long --out $OUT/real_gpu.json ...
-#   (benchmarks/real_gpu.py's docstring lists the stage calls; later calls need only the exports above.)
+#     set -e; R=$PWD; cp .gpucarry/smollm2.gguf.part2 /tmp/lychee_gpu/; cd /tmp/lychee_gpu;
+#     cat smollm2.gguf.part1 smollm2.gguf.part2 > smollm2.gguf; echo "$(cat $R/.gpucarry/smollm2.sha256)  smollm2.gguf" | sha256sum -c -;
+#     cd $R; python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpucarry/whl/*.whl;
+#     export PYTHONPATH=/tmp/site:$R LYCHEE_SMOLLM2_GGUF=/tmp/lychee_gpu/smollm2.gguf LYCHEE_CACHE=/tmp/lychee_gpu/cache
+#            TORCHINDUCTOR_CACHE_DIR=/tmp/lychee_gpu/inductor PYTHONUNBUFFERED=1;
+#     timeout 570 python benchmarks/real_gpu.py --stages long,train --max-seconds 250 --out $OUT/real_gpu.json 2>&1 | tail -c 200000 > $OUT/log.txt
+#   later calls (no carry): the same `export` line, then benchmarks/real_gpu.py with other --stages / --eval-parts.
 set -euo pipefail
 
 VENV_PY=${VENV_PY:-/work/venv/bin/python}
