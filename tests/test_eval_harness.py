@@ -250,3 +250,31 @@ def test_plot_budget_sweep(tmp_path):
     for task in ("passkey", "repeat"):
         plot_budget_sweep([rows], str(tmp_path / f"{task}.png"), task)
         assert (tmp_path / f"{task}.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("extra", [dict(heat_blocks=2, heat_decay=0.5), dict(rectify_every=3)])
+def test_per_sequence_state_is_reset_between_scores(extra):
+    """Heat and rectification keep state across decode steps; generate() resets it at each prefill, which the
+    harness runs on the base model, so Variant must reset it itself: scoring the same prompt twice (with another
+    prompt in between) gives the same numbers, and they equal generate() on a model with the same config."""
+    import dataclasses
+    torch.manual_seed(0)
+    ids = torch.randint(3, 128, (1, 40))
+    other = torch.randint(3, 128, (1, 40))
+    steps = 8            # 7 decode steps: rectify_every=3 leaves one token pending at the end
+    ref_model = make("llama")
+    spec_ref = method_spec("lychee", ref_model, 8, _given(ref_model), **CFG)
+    from lychee_compile import lychee_compile
+    lychee_compile(ref_model, spec_ref.head_map, dataclasses.replace(spec_ref.config, **extra))
+    seq, logits = generate_logits(ref_model, ids, torch.ones_like(ids), steps)
+    targets = seq[0, ids.shape[1]:].tolist()
+    want = torch.log_softmax(logits[:, 0].float(), -1)[torch.arange(steps), torch.tensor(targets)]
+
+    base = make("llama")
+    spec = method_spec("lychee", base, 8, _given(base), **CFG)
+    v = Variant.build(base, dataclasses.replace(spec, config=dataclasses.replace(spec.config, **extra)))
+    first = v.score(dense_prefill(base, ids, max_cache_len=64), targets)
+    v.score(dense_prefill(base, other, max_cache_len=64), targets)
+    again = v.score(dense_prefill(base, ids, max_cache_len=64), targets)
+    assert again.logprobs == first.logprobs
+    assert torch.allclose(torch.tensor(first.logprobs), want, atol=1e-4), (first.logprobs, want)

@@ -47,8 +47,10 @@ def dense_prefill(model, input_ids: torch.Tensor, max_cache_len: int) -> Prefill
     n = int(input_ids.shape[-1])
     if max_cache_len <= n:
         raise ValueError(f"max_cache_len {max_cache_len} leaves no room after the {n} prompt tokens")
-    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-    out = model(input_ids, past_key_values=cache, cache_position=torch.arange(n), use_cache=True, logits_to_keep=1)
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)    # allocated on the model's device
+    device = model.device
+    out = model(input_ids.to(device), past_key_values=cache, cache_position=torch.arange(n, device=device),
+                use_cache=True, logits_to_keep=1)
     return Prefill(cache, out.logits[0, -1].float(), n, max_cache_len)
 
 
@@ -74,6 +76,7 @@ def score_steps(call, prefill: Prefill, targets: list[int], copy_cache: bool = T
     if prefill.length + len(targets) - 1 > max_len:
         raise ValueError(f"{len(targets)} targets after {prefill.length} prompt tokens exceed the cache ({max_len})")
     logits = prefill.last_logits
+    device = logits.device
     logprobs, hits = [], []
     for i, tok in enumerate(targets):
         lp = torch.log_softmax(logits.float(), -1)
@@ -82,9 +85,10 @@ def score_steps(call, prefill: Prefill, targets: list[int], copy_cache: bool = T
         if i == len(targets) - 1:
             break
         pos = prefill.length + i
-        out = call(input_ids=torch.tensor([[tok]]), cache_position=torch.tensor([pos]),
-                   position_ids=torch.tensor([[pos]]), past_key_values=cache,
-                   attention_mask=torch.ones(1, pos + 1, dtype=torch.long), use_cache=True, return_dict=True)
+        out = call(input_ids=torch.tensor([[tok]], device=device), cache_position=torch.tensor([pos], device=device),
+                   position_ids=torch.tensor([[pos]], device=device), past_key_values=cache,
+                   attention_mask=torch.ones(1, pos + 1, dtype=torch.long, device=device), use_cache=True,
+                   return_dict=True)
         logits = out.logits[0, -1]
     return TokenScores(logprobs, hits)
 
@@ -115,10 +119,21 @@ class Variant:
         return self.spec.label
 
     def score(self, prefill: Prefill, targets: list[int]) -> TokenScores:
-        scores = score_steps(self.call, prefill, targets)
+        scores = score_steps(self.sequence_call(), prefill, targets)
         if len(targets) > 1:
             self.check_sparse()
         return scores
+
+    def sequence_call(self):
+        """The decode callable for one new sequence. The prefill ran on the base model, so the per-sequence state
+        generate() would reset is reset here: the heat buffer is zeroed (heat_blocks > 0), and the compiled call is
+        fetched again so a rectification wrapper (rectify_every > 0) starts with no pending tokens."""
+        if self.spec.config is None:
+            return self.call
+        heat = getattr(self.model, "_lychee_heat", None)
+        if heat is not None:
+            heat.zero_()
+        return self.model.get_compiled_call(self.model.generation_config.compile_config)
 
     def counters(self):
         if self.spec.config is None:
@@ -140,8 +155,8 @@ class Variant:
 @torch.no_grad()
 def forward_logprobs(model, input_ids: torch.Tensor) -> torch.Tensor:
     """Dense reference in one forward pass: log p(input_ids[t] | input_ids[:t]) for t = 1..n-1, fp32 [n - 1]."""
-    logits = model(input_ids).logits[0].float()
-    return torch.log_softmax(logits[:-1], -1).gather(1, input_ids[0, 1:, None])[:, 0]
+    logits = model(input_ids.to(model.device)).logits[0].float()
+    return torch.log_softmax(logits[:-1], -1).gather(1, input_ids[0, 1:, None].to(logits.device))[:, 0]
 
 
 def repeat_forward_ppl(model, tokenizer, length: int, seed: int = 0) -> float:

@@ -46,6 +46,7 @@ def add_parser(sub) -> None:
                    help="map rule: E[z] > 0.5 (default for hardkuma/hardconcrete) or top-N scores (default for "
                         "duo/retrieval-score/random)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="where the frozen model runs (cpu, cuda); the gates stay on the CPU")
     p.add_argument("--out", required=True, help="the HeadMap .safetensors to write")
     p.add_argument("--checkpoint", default=None, help="resume file (default OUT.ckpt)")
     p.add_argument("--data-cache", default=None, help="where prefilled training prompts are cached "
@@ -55,15 +56,15 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _load_model(name: str):
+def _load_model(name: str, device: str = "cpu"):
     if name == "smollm2":
         from ..real_model import load_smollm2
-        return load_smollm2(progress=True)
+        return load_smollm2(progress=True, device=device)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(name)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa").eval()
-    return model, tok
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa")
+    return model.to(device).eval(), tok
 
 
 def run(args) -> int:
@@ -77,7 +78,7 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     progress = not args.no_progress
     try:
-        model, tok = _load_model(args.model)
+        model, tok = _load_model(args.model, args.device)
     except RealModelUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

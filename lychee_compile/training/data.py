@@ -43,9 +43,9 @@ def build_sample(model, tokenizer, prompt_tokens: int, seed: int, depth: float) 
     from transformers import DynamicCache
 
     prompt = build_passkey_prompt(tokenizer, prompt_tokens, depth=depth, seed=seed)
-    ids = prompt.input_ids
+    ids = prompt.input_ids.to(model.device)
     answer = tokenizer(ANSWER.format(key=prompt.passkey), add_special_tokens=False,
-                       return_tensors="pt").input_ids
+                       return_tensors="pt").input_ids.to(model.device)
     inputs = torch.cat([ids[:, -1:], answer[:, :-1]], dim=1)
     with torch.no_grad():
         cache = DynamicCache()
@@ -55,7 +55,7 @@ def build_sample(model, tokenizer, prompt_tokens: int, seed: int, depth: float) 
         teacher = model(input_ids=inputs, past_key_values=teacher_cache, use_cache=True).logits[0].float()
     return Sample(kv=kv, inputs=inputs, targets=answer[0], teacher=teacher, passkey=prompt.passkey, depth=depth,
                   needle_token_pos=prompt.needle_token_pos, n_prompt=prompt.n_tokens,
-                  prompt_ids=ids[0].tolist())
+                  prompt_ids=ids[0].tolist())   # tensors on the model's device
 
 
 def sample_plan(num: int, seed: int) -> list[tuple[int, float]]:
@@ -74,7 +74,7 @@ def build_dataset(model, tokenizer, prompt_tokens: int, num: int, seed: int, cac
                          ).hexdigest()[:16]
     path = os.path.join(cache_dir, f"passkey-{prompt_tokens}-{num}-{key}.pt") if cache_dir else None
     if path and os.path.exists(path):
-        samples = [Sample(**d) for d in torch.load(path, weights_only=False)]
+        samples = [Sample(**d) for d in torch.load(path, weights_only=False, map_location=model.device)]
         for smp, (s, d) in zip(samples, plan):
             if smp.prompt_ids is None:   # caches written before prompt_ids was kept
                 from ..eval.passkey import build_passkey_prompt

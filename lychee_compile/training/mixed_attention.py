@@ -87,8 +87,8 @@ def mixed_attention(q, k, v, state: MixedAttention, layer: int, scale: float):
         sparse_tok = sparse_blk.repeat_interleave(bs, dim=-1)[..., :T] & valid                   # [B, Hkv, L, T]
         p_sparse = masked_softmax(scores, sparse_tok[:, :, None])
         out_sparse = torch.einsum("bhglt,bhtd->bhgld", p_sparse, v.float())
-        zz = z.to(out_full.dtype).reshape(-1, Hkv, 1, 1, 1) if z.dim() == 2 else z.to(out_full.dtype).reshape(
-            1, Hkv, 1, 1, 1)
+        z = z.to(device=out_full.device, dtype=out_full.dtype)      # gates live on the CPU, the model may not
+        zz = z.reshape(-1, Hkv, 1, 1, 1) if z.dim() == 2 else z.reshape(1, Hkv, 1, 1, 1)
         out = zz * out_full + (1.0 - zz) * out_sparse
     state.inherited = selected
     return out.reshape(B, Hq, L, D).to(q.dtype)

