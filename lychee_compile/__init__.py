@@ -9,4 +9,10 @@ def lychee_compile(model, head_map, config=None):
     return _impl(model, head_map, config)
 
 
-__all__ = ["lychee_compile", "HeadMap", "LycheeConfig", "HeadMapError", "LycheeConfigError"]
+def set_head_map(model, head_map):
+    """Swap a compiled model's head map in place (no recompile); see api.set_head_map."""
+    from .api import set_head_map as _impl
+    return _impl(model, head_map)
+
+
+__all__ = ["lychee_compile", "set_head_map", "HeadMap", "LycheeConfig", "HeadMapError", "LycheeConfigError"]

@@ -19,6 +19,7 @@ from .backend import make_backend
 from .config import LycheeConfig, LycheeConfigError
 from .head_map import HeadMap, HeadMapError
 from .rectify import install_rectification
+from .state_buffers import install_state, write_kinds
 from .passes import Counters, LycheeCompileError, PassContext, run_passes
 
 _STATE_ATTR = "_lychee_state"
@@ -39,6 +40,9 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     if not isinstance(config, LycheeConfig):
         raise LycheeConfigError(f"config must be a LycheeConfig, got {type(config).__name__}.")
     _check_model(model)
+    if config.cuda_graphs and model.device.type != "cuda":
+        raise LycheeConfigError(f"cuda_graphs=True needs the model on a CUDA device, it is on {model.device}. Move "
+                                "it with model.to('cuda') first, or leave cuda_graphs off.")
     if isinstance(head_map, (str, os.PathLike)):
         head_map = HeadMap.load(head_map)
     if not isinstance(head_map, HeadMap):
@@ -56,12 +60,29 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     _install(model, backend)
     if config.rectify_every:
         install_rectification(model, config.rectify_every)
-    if config.heat_blocks > 0:
-        _install_heat_state(model, config, len(global_layers), head_map.shape[1])
+    install_state(model, config, retrieval[global_layers])
     _guard_generate(model, counters, config.strict)
     setattr(model, _STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend,
                                             snapshots))
     return model
+
+
+def set_head_map(model, head_map) -> None:
+    """Swap the head map of a compiled model in place: the retrieval/sparse kinds are runtime data of the rewritten
+    ops (the `_lychee_kinds` buffer, ops/state.py), so nothing recompiles and a captured CUDA graph replays with the
+    new kinds. Validated like lychee_compile's map; on error the model keeps its old map."""
+    state = state_of(model)
+    if isinstance(head_map, (str, os.PathLike)):
+        head_map = HeadMap.load(head_map)
+    if not isinstance(head_map, HeadMap):
+        raise HeadMapError(f"head_map must be a HeadMap or a path to one, got {type(head_map).__name__}.")
+    head_map.validate_for(model, state.config.strict)
+    if not torch.equal(head_map.streaming, state.head_map.streaming):
+        raise HeadMapError("set_head_map can change retrieval/sparse kinds only; streaming heads change the graph "
+                           "(they inherit nothing). Compile a fresh model for a different streaming map.")
+    retrieval = head_map.effective(state.global_layers, state.config.first_layer_retrieval)
+    write_kinds(model, retrieval[state.global_layers])
+    state.head_map, state.retrieval = head_map, retrieval
 
 
 def state_of(model) -> LycheeState:
@@ -172,32 +193,6 @@ def _guard_generate(model, counters, strict: bool) -> None:
 
     generate.__doc__ = inner.__doc__
     model.generate = generate
-
-
-def _install_heat_state(model, config: LycheeConfig, n_global: int, n_kv: int) -> None:
-    """Register the heat buffer (layout: ops/heat.py) and wrap the instance's forward so that every prefill zeroes
-    it and every call hands it to the captured graph through lychee::bind_state."""
-    max_pos = getattr(model.config, "max_position_embeddings", None)
-    if not max_pos:
-        raise LycheeConfigError("heat needs model.config.max_position_embeddings to size its block buffer.")
-    n_blocks = -(-int(max_pos) // config.block_size)
-    model.register_buffer("_lychee_heat", torch.zeros(1, n_global, n_kv, n_blocks, device=model.device),
-                          persistent=False)
-    inner = model.forward
-
-    def forward(*args, **kwargs):
-        x = kwargs.get("input_ids", args[0] if args else None)
-        x = kwargs.get("inputs_embeds") if x is None else x
-        batch, length = x.shape[0], x.shape[1]
-        heat = model._lychee_heat
-        if heat.shape[0] != batch:
-            model._lychee_heat = torch.zeros(batch, *heat.shape[1:], device=heat.device)
-        elif length > 1:                      # a prefill: a new sequence starts with no heat
-            heat.zero_()
-        torch.ops.lychee.bind_state(model._lychee_heat)
-        return inner(*args, **kwargs)
-
-    model.forward = forward
 
 
 def _install(model, backend) -> None:

@@ -19,13 +19,14 @@ def make_backend(model, config, retrieval: torch.Tensor, streaming: torch.Tensor
                  head_map_digest: str, snapshots: list[str]):
     """snapshots: receives graph_snapshot() of every rewritten decode graph (tests and `lychee` debugging)."""
     def lychee_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
-        # kwargs: torch.compile / HF's CompileConfig pass mode= and options=; the spine ignores them.
+        # kwargs: torch.compile / HF's CompileConfig pass mode= and options=; LycheeConfig decides instead
+        # (cuda_graphs), so one config always means one compiled artifact.
         ctx = run_passes(PassContext(gm, model, config, retrieval, counters, streaming=streaming))
         if ctx.is_decode and not ctx.aborted:
             snapshots.append(graph_snapshot(gm))
         log.info("lychee_compile: graph %d (%s): %d sites, %d rewritten in total", counters.graphs,
                  "decode" if ctx.is_decode else "prefill", len(ctx.sites), counters.sites_rewritten)
-        compiled = gm.forward if config.backend == "eager" else _inductor(gm, example_inputs)
+        compiled = gm.forward if config.backend == "eager" else _inductor(gm, example_inputs, config.cuda_graphs)
         if not (ctx.is_decode and not ctx.aborted):
             return compiled
 
@@ -38,7 +39,8 @@ def make_backend(model, config, retrieval: torch.Tensor, streaming: torch.Tensor
     return lychee_backend
 
 
-def _inductor(gm, example_inputs):
+def _inductor(gm, example_inputs, cuda_graphs: bool):
     from . import lowering
+    from .lowering import compat
     lowering.register()
-    return torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
+    return compat.compile_fx(gm, example_inputs, cuda_graphs)

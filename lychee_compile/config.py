@@ -47,6 +47,13 @@ class LycheeConfig:
     # strict: any attention site that cannot be rewritten, or a head map that does not match, raises.
     # Non-strict: such problems are logged once and counted; the graph is then left dense as a whole.
     strict: bool = True
+    # What the rewritten global layers compute: "hybrid" (lychee), or "flash_dense" -- NOT lychee: plain dense
+    # attention over exactly the valid keys with native GQA (ops/dense_decode.py), the best dense baseline that
+    # speed claims are quoted against. Budget, selection, heat and Quest do not apply to it.
+    attention: str = "hybrid"
+    # Compile the decode step with CUDA graphs (Inductor's cudagraph trees): one replay per step instead of one
+    # launch per kernel. CUDA models with backend="inductor" only; state buffers have static addresses for it.
+    cuda_graphs: bool = False
     # What compiles the rewritten graph: "inductor" (default), or "eager" (run the FX graph as is; fast to
     # build, used by tests that check the pass and numerics but not code generation).
     backend: str = "inductor"
@@ -111,6 +118,20 @@ class LycheeConfig:
             raise LycheeConfigError(f"LycheeConfig.strict must be a bool, got {self.strict!r}.")
         if self.backend not in ("inductor", "eager"):
             raise LycheeConfigError(f"LycheeConfig.backend must be 'inductor' or 'eager', got {self.backend!r}.")
+
+        self._check_modes()
+
+    def _check_modes(self) -> None:
+        if self.attention not in ("hybrid", "flash_dense"):
+            raise LycheeConfigError(f"LycheeConfig.attention must be 'hybrid' or 'flash_dense', got "
+                                    f"{self.attention!r}.")
+        if self.attention == "flash_dense" and (self.heat_blocks or self.quest != "off" or self.rectify_every):
+            raise LycheeConfigError("attention='flash_dense' is plain dense attention (the speed baseline): heat, "
+                                    "Quest and rectification do not apply. Turn them off, or use attention='hybrid'.")
+        if not isinstance(self.cuda_graphs, bool):
+            raise LycheeConfigError(f"LycheeConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}.")
+        if self.cuda_graphs and self.backend != "inductor":
+            raise LycheeConfigError("cuda_graphs=True needs backend='inductor' (Inductor captures the graphs).")
 
     @property
     def policy_code(self) -> int:

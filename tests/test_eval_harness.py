@@ -208,16 +208,27 @@ def test_run_eval_summary_and_outputs_tiny(tmp_path):
 @pytest.mark.parametrize("name", sorted(ruler.RULER_TASKS))
 def test_ruler_items(name):
     tok = CharTokenizer()
-    items = ruler.RULER_TASKS[name](tok, 1200, n=2)
+    small = dict(common=3, common_freq=6) if name == "cwe" else {}     # 1200 characters hold few list lines
+    items = ruler.RULER_TASKS[name](tok, 1200, n=2, **small)
     assert len(items) == 2
     for it in items:
         text = tok.decode(it.input_ids[0].tolist())
         answer = tok.decode(it.targets)
-        assert abs(it.input_ids.shape[1] - 1200) <= 12 and (text.endswith(" are:") or text.endswith(" is:"))
+        short = 30 if name == "cwe" else 12      # cwe grows its list by whole entries: it may stop short of 1200
+        assert -short <= it.input_ids.shape[1] - 1200 <= 12
+        assert text.endswith(" are:") or text.endswith(" is:")
         assert it.max_cache_len >= it.input_ids.shape[1] + len(it.targets)
         if name == "multikey":
             assert answer == " " + it.meta["answer"]
             assert f"for {it.meta['key']} is: {it.meta['answer']}." in text and text.count("special magic number") >= 4
+        elif name == "cwe":
+            words = it.meta["answer"]
+            assert answer == " " + ", ".join(words) and "most common words" in text
+            listed = [line.split(". ", 1)[1] for line in text.split("\n") if line[:1].isdigit() and ". " in line]
+            counts = {w: listed.count(w) for w in set(listed)}
+            assert all(counts[w] == it.meta["common_freq"] for w in words)
+            assert max(c for w, c in counts.items() if w not in words) == it.meta["rare_freq"]
+            assert [listed.index(w) for w in words] == sorted(listed.index(w) for w in words)
         elif name == "multivalue":
             assert answer == " " + ", ".join(it.meta["answer"])
             positions = [text.index(f"is: {v}.") for v in it.meta["answer"]]
@@ -227,7 +238,7 @@ def test_ruler_items(name):
             assert answer == " " + ", ".join(names) and f"VAR {names[0]} = {it.meta['value']}." in text
             chain = [text.index(f"VAR {names[j + 1]} = VAR {names[j]}.") for j in range(len(names) - 1)]
             assert chain == sorted(chain) and text.index(f"VAR {names[0]} =") < chain[0]
-    assert [i.meta for i in ruler.RULER_TASKS[name](tok, 1200, n=2)] == [i.meta for i in items]   # seeded
+    assert [i.meta for i in ruler.RULER_TASKS[name](tok, 1200, n=2, **small)] == [i.meta for i in items]  # seeded
 
 
 def test_plot_budget_sweep(tmp_path):

@@ -86,3 +86,21 @@ def test_query_length_other_than_one_is_rejected():
 def test_num_select_is_budget_over_block_rounded_up():
     from lychee_compile import LycheeConfig
     assert LycheeConfig(budget=100, block_size=16).num_select == math.ceil(100 / 16)
+
+
+# --- lychee::dense_decode (the dense speed baseline, attention="flash_dense") -------------------------------------
+DENSE = torch.ops.lychee.dense_decode.default
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_decode_opcheck(dtype):
+    q, k, v, valid, _ = inputs(dtype=dtype)
+    torch.library.opcheck(DENSE, (q, k, v, valid, 0.25))
+
+
+def test_dense_decode_is_masked_sdpa():
+    q, k, v, valid, _ = inputs()
+    out = DENSE(q, k, v, valid, 0.25)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+                                                           attn_mask=valid[:, None, None, :], scale=0.25)
+    assert (out - ref).abs().max() < 1e-5

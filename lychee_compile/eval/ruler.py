@@ -7,8 +7,12 @@
 - vartrack_items: a chain "VAR A = 12345." -> "VAR B = VAR A." -> ... spread through the text (RULER variable
   tracking); the question asks for every variable holding the value; target: the names in chain order.
 
-Common-words extraction (RULER cwe) is not implemented. Scoring = every target token is the argmax (greedy would
-write it) plus the mean NLL, like passkey. Seeds are fixed and below 10000.
+- cwe_items: common-words extraction (RULER cwe): a numbered list of words from the haystack book's vocabulary in
+  which `common` words appear `common_freq` times each and every other word `rare_freq` times; the question asks
+  for the `common` most frequent words in order of first appearance (stated in the question, so the target is
+  one string); target: the words ", "-separated.
+Scoring = every target token is the argmax (greedy would write it) plus the mean NLL, like passkey. Seeds are
+fixed and below 10000.
 """
 from __future__ import annotations
 
@@ -118,4 +122,58 @@ def vartrack_items(tokenizer, length: int = 2048, n: int = 4, hops: int = 3, see
     return items
 
 
-RULER_TASKS = {"multikey": multikey_items, "multivalue": multivalue_items, "vartrack": vartrack_items}
+def _book_vocabulary(haystack: str = "persuasion") -> list[str]:
+    """Distinct lower-case alphabetic words of 4-9 letters of the book, sorted (deterministic)."""
+    words = _normalize(load_haystack_text(haystack)).lower().split()
+    return sorted({w for w in words if w.isalpha() and 4 <= len(w) <= 9})
+
+
+def _cwe_prompt(tokenizer, target_tokens: int, common: list[str], rare_pool: list[str], common_freq: int,
+                rare_freq: int, rng: random.Random, prefix: str):
+    """(token ids, the word list) of ~target_tokens: common words x common_freq + n rare words x rare_freq, shuffled,
+    n grown until the prompt reaches the target length."""
+    question = (f"What are the {len(common)} most common words in the above list? Answer with the words in the "
+                "order of their first appearance in the list.")
+    order = list(range(len(rare_pool)))
+    rng.shuffle(order)
+    shuffle_seed = rng.randrange(10**6)
+
+    def render(n_rare: int):
+        entries = common * common_freq + [rare_pool[i] for i in order[:n_rare]] * rare_freq
+        random.Random(shuffle_seed).shuffle(entries)
+        listing = "\n".join(f"{j + 1}. {w}" for j, w in enumerate(entries))
+        text = _wrap(tokenizer, f"Below is a numbered list of words.\n\n{listing}\n\n{question}") + prefix
+        return tokenizer(text, add_special_tokens=False).input_ids, entries
+
+    if len(render(0)[0]) > target_tokens:
+        raise ValueError(f"target_tokens={target_tokens} cannot even hold the common words x {common_freq}; "
+                         "lower common / common_freq or raise the length")
+    lo, hi = 0, len(rare_pool)
+    while lo < hi:                                          # the largest n_rare whose prompt fits the target
+        mid = (lo + hi + 1) // 2
+        if len(render(mid)[0]) <= target_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return render(lo)
+
+
+def cwe_items(tokenizer, length: int = 2048, n: int = 4, common: int = 5, common_freq: int = 20, rare_freq: int = 2,
+              seed: int = 0) -> list[Item]:
+    vocab = _book_vocabulary()
+    items = []
+    for i in range(n):
+        s = 5000 + seed * 100 + i
+        rng = random.Random(s)
+        chosen = rng.sample(vocab, len(vocab))
+        words, rare_pool = chosen[:common], chosen[common:]
+        ids, entries = _cwe_prompt(tokenizer, length, words, rare_pool, common_freq, rare_freq, rng,
+                                   f"The {common} most common words in the list are:")
+        answer = sorted(words, key=entries.index)              # order of first appearance
+        items.append(_item(tokenizer, ids, " " + ", ".join(answer), length,
+                           dict(task="cwe", length=length, seed=s, answer=answer, common_freq=common_freq,
+                                rare_freq=rare_freq, list_words=len(entries))))
+    return items
+
+
+RULER_TASKS = {"cwe": cwe_items, "multikey": multikey_items, "multivalue": multivalue_items, "vartrack": vartrack_items}

@@ -6,7 +6,7 @@ Checked on:
 Known differences handled here:
   * `autotune_select_algorithm` returns the output node on 2.11 but a tuple (node, ...) on 2.13 -> `select_one`.
   * `SizeVarAllocator.optimization_hint` (2.13) vs `size_hint` (2.11) -> `size_hint`.
-Everything else used (register_lowering, lowerings, empty_strided, fallback_handler, TritonTemplate,
+Everything else used (compile_fx(config_patches=...), register_lowering, lowerings, empty_strided, fallback_handler, TritonTemplate,
 SymbolicGridFn, ir.FixedLayout, ir.ExternKernel.realize_input, V.graph.sizevars.guard_int) has the same shape on
 both. Any other torch version is used at your own risk: `CHECKED_VERSIONS` says what was checked.
 """
@@ -28,7 +28,15 @@ from torch.utils._sympy.functions import CeilDiv  # noqa: E402
 
 __all__ = ["CHECKED_VERSIONS", "TORCH_VERSION", "inductor_config", "ir", "empty_strided", "fallback_handler",
            "lowerings", "register_lowering", "SymbolicGridFn", "TritonTemplate", "select_one", "V", "CeilDiv",
-           "size_hint", "static_int", "realize", "to_dtype", "fixed_layout", "triton_device_ok", "sm_count"]
+           "size_hint", "static_int", "compile_fx", "realize", "to_dtype", "fixed_layout", "triton_device_ok", "sm_count"]
+
+
+def compile_fx(gm, example_inputs, cuda_graphs: bool):
+    """Inductor on a Dynamo graph, optionally with CUDA graphs (cudagraph trees, as mode="reduce-overhead" does).
+    Called inside Dynamo's backend call, so Dynamo's record of static inputs (parameters, the static cache, our
+    state buffers marked static) reaches the cudagraph wrapper."""
+    from torch._inductor.compile_fx import compile_fx as _compile_fx
+    return _compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": bool(cuda_graphs)})
 
 
 def select_one(name, choices, input_nodes, layout):

@@ -59,8 +59,27 @@ GLOSSARY = '''
     # ---------------------------------------------------------------------------------------------------------
 '''
 
-# Both kernels' modules need the row extent helper; one text serves both templates.
-ROW_EXTENT_SOURCE = '''
+# Helpers both kernels' modules need; one text serves both templates. The split and combine launches MUST agree on
+# the work pool (which split wrote which partial slot), so both build it with _lychee_work_pool.
+KERNEL_HELPERS_SOURCE = '''
+@triton.jit
+def _lychee_work_pool(RETR, T, NTS, HKV: tl.constexpr, HKV_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per KV head h (padded to HKV_P): rflag (retrieval?), ntile (BLOCK_N tiles of its segment: the whole cache for
+    a retrieval head, NTS for a sparse one), cum_incl (inclusive prefix sum of ntile); R = tiles of one row."""
+    hh = tl.arange(0, HKV_P)
+    rflag = tl.load(RETR + hh, mask=hh < HKV, other=0).to(tl.int32)
+    ntile = tl.where(hh < HKV, tl.where(rflag != 0, (T + BLOCK_N - 1) // BLOCK_N, NTS), 0)
+    cum_incl = tl.cumsum(ntile, 0)
+    return hh, rflag, ntile, cum_incl, tl.sum(ntile, 0)
+
+
+@triton.jit
+def _lychee_segment(h, hh, rflag, ntile, cum_incl):
+    """Head h's segment within its row's pool: (tiles, first tile, retrieval flag)."""
+    seg_n = tl.sum(tl.where(hh == h, ntile, 0), 0)
+    return seg_n, tl.sum(tl.where(hh == h, cum_incl, 0), 0) - seg_n, tl.sum(tl.where(hh == h, rflag, 0), 0)
+
+
 @triton.jit
 def _lychee_row_extent(VROW, stride_t, T, SCAN: tl.constexpr):
     """First valid position lo and one past the last valid position hi of a row (lo == hi == 0 if none)."""
@@ -96,14 +115,9 @@ SPLIT_SOURCE = '''
     NB = (T + BS - 1) // BS
     NBT: tl.constexpr = BLOCK_N // BS
     NTS: tl.constexpr = ((S_MAX + L_MAX + KSEL) * BS + BLOCK_N - 1) // BLOCK_N
-    NTR = (T + BLOCK_N - 1) // BLOCK_N
 
     # work pool: tiles per segment from the runtime head kinds, prefix sums over heads, equal cut into slices
-    hh = tl.arange(0, HKV_P)
-    rflag = tl.load(RETR + hh, mask=hh < HKV, other=0).to(tl.int32)
-    ntile = tl.where(hh < HKV, tl.where(rflag != 0, NTR, NTS), 0)
-    cum_incl = tl.cumsum(ntile, 0)
-    R = tl.sum(ntile, 0)
+    hh, rflag, ntile, cum_incl, R = _lychee_work_pool(RETR, T, NTS, HKV, HKV_P, BLOCK_N)
     W = B * R
     s = tl.program_id(0)
     g_cur = (s * W) // NUM_SPLITS
@@ -120,9 +134,7 @@ SPLIT_SOURCE = '''
         b = g_cur // R
         r = g_cur - b * R
         h = tl.sum((cum_incl <= r).to(tl.int32), 0)
-        seg_n = tl.sum(tl.where(hh == h, ntile, 0), 0)
-        seg_first_local = tl.sum(tl.where(hh == h, cum_incl, 0), 0) - seg_n
-        retr_i = tl.sum(tl.where(hh == h, rflag, 0), 0)
+        seg_n, seg_first_local, retr_i = _lychee_segment(h, hh, rflag, ntile, cum_incl)
         lt0 = r - seg_first_local
         lt1 = tl.minimum(seg_n, lt0 + (g_end - g_cur))
         s0 = ((b * R + seg_first_local + 1) * NUM_SPLITS - 1) // W
@@ -207,7 +219,7 @@ SPLIT_SOURCE = '''
         g_cur += lt1 - lt0
 ''' + '''
 
-''' + ROW_EXTENT_SOURCE + ''''''
+''' + KERNEL_HELPERS_SOURCE + ''''''
 
 COMBINE_SOURCE = '''
 {{def_kernel("PACC", "PM", "PL", "BLSE", "VALID", "RETR", "IDX", "IDXO", "KEYS", "CNT")}}
@@ -224,12 +236,8 @@ COMBINE_SOURCE = '''
     NB = (T + BS - 1) // BS
     NKC = (NB + KC - 1) // KC
     NTS: tl.constexpr = ((S_MAX + L_MAX + KSEL) * BS + BLOCK_N - 1) // BLOCK_N
-    NTR = (T + BLOCK_N - 1) // BLOCK_N
-    hh = tl.arange(0, HKV_P)
-    rflag = tl.load(RETR + hh, mask=hh < HKV, other=0).to(tl.int32)
-    ntile = tl.where(hh < HKV, tl.where(rflag != 0, NTR, NTS), 0)
-    cum_incl = tl.cumsum(ntile, 0)
-    R = tl.sum(ntile, 0)
+    # the same work pool as the split launch (one helper, so the two can never disagree on who wrote which slot)
+    hh, rflag, ntile, cum_incl, R = _lychee_work_pool(RETR, T, NTS, HKV, HKV_P, BLOCK_N)
     W = B * R
 
     pid = tl.program_id(0)
@@ -239,9 +247,8 @@ COMBINE_SOURCE = '''
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     seg = pid
-    seg_n = tl.sum(tl.where(hh == h, ntile, 0), 0)
-    seg_first = b * R + tl.sum(tl.where(hh == h, cum_incl, 0), 0) - seg_n
-    retr_i = tl.sum(tl.where(hh == h, rflag, 0), 0)
+    seg_n, seg_first_local, retr_i = _lychee_segment(h, hh, rflag, ntile, cum_incl)
+    seg_first = b * R + seg_first_local
     s0 = ((seg_first + 1) * NUM_SPLITS - 1) // W
     s1 = ((seg_first + seg_n) * NUM_SPLITS - 1) // W
     nslot = s1 - s0 + 1
@@ -377,7 +384,7 @@ def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, KSEL: tl.constexpr, KP: tl.c
     tl.store(OUT_ROW + slots * stride_o, tl.full([KP], -1, tl.int32), mask=(slots >= ntaken) & (slots < KSEL))
 
 
-''' + ROW_EXTENT_SOURCE + ''''''
+''' + KERNEL_HELPERS_SOURCE + ''''''
 
 
 def interpreting() -> bool:

@@ -13,7 +13,7 @@ address is static across steps, as CUDA graphs need):
 
 Per decode step the pass threads it functionally (heat_in slice -> op -> heat_out slice) and writes the stacked
 result back with `lychee::write_state` at the end of the graph; `lychee::bind_state`, called by the model's wrapped
-forward, is what makes the buffer a graph input in the first place.
+forward, is what makes the buffer a graph input in the first place (both ops: ops/state.py).
 """
 from __future__ import annotations
 
@@ -36,25 +36,3 @@ def hybrid_decode_heat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid:
 def _(q, k, v, valid, retrieval, idx_in, heat, scale, block_size, sink_tokens, local_tokens, policy, policy_param,
       heat_decay, heat_blocks):
     return torch.empty_like(q), torch.empty_like(idx_in), torch.empty_like(heat)
-
-
-@torch.library.custom_op("lychee::bind_state", mutates_args=("state",))
-def bind_state(state: torch.Tensor) -> None:
-    """No-op marker called by the wrapped forward: makes the state buffer an input of the captured graph. The pass
-    removes it (it declares a mutation only so that nothing drops it before the pass runs)."""
-
-
-@bind_state.register_fake
-def _(state):
-    return None
-
-
-@torch.library.custom_op("lychee::write_state", mutates_args=("state",))
-def write_state(state: torch.Tensor, value: torch.Tensor) -> None:
-    """state <- value, in place (the end of the decode graph's functional heat chain)."""
-    state.copy_(value)
-
-
-@write_state.register_fake
-def _(state, value):
-    return None

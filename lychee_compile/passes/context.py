@@ -79,11 +79,19 @@ class PassContext:
     retrieval: object                # bool [num_layers, num_kv_heads], the effective head map (or None: probe)
     counters: Counters
     streaming: object = None         # bool [num_layers, num_kv_heads] or None: heads that inherit nothing
-    heat_input: torch.fx.Node | None = None   # the heat buffer's placeholder (found via lychee::bind_state)
+    state_inputs: dict = dataclasses.field(default_factory=dict)  # name -> placeholder (pass bind_state)
     sites: list[Site] = dataclasses.field(default_factory=list)
     is_decode: bool | None = None
     rewrite: bool = True             # False: detect and check only (the probe in lychee_compile)
     aborted: str | None = None       # set when the graph is left dense as a whole (non-strict)
+
+    @property
+    def heat_input(self) -> torch.fx.Node | None:
+        return self.state_inputs.get("heat")
+
+    @property
+    def kinds_input(self) -> torch.fx.Node | None:
+        return self.state_inputs.get("kinds")
 
     @property
     def strict(self) -> bool:

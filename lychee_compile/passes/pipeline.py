@@ -1,6 +1,6 @@
 """The pass pipeline: a declarative list of named passes over one PassContext.
 
-    bind_state    find the cross-step state buffers (heat) announced by the wrapped forward; drop the markers
+    bind_state    find the cross-step state buffers (kinds, heat) announced by the wrapped forward; drop the markers
     detect        find attention sites (sdpa call / eager matmul-softmax-matmul chain)
     canonicalize  peel repeat_kv to [B, Hkv, T, D], mask kind, explicit scale
     classify      layer of each site; global / sliding / prefill

@@ -1,8 +1,9 @@
-"""Pass `rewrite`: replace every global decode site by one `lychee::hybrid_decode` op.
+"""Pass `rewrite`: replace every global decode site by one `lychee::hybrid_decode` op (or, for the dense speed
+baseline attention="flash_dense", one `lychee::dense_decode` op, which has no index state).
 
 Per site, inserted right before the original attention output (so after the KV-cache write of that layer):
     valid = valid_from_<mask kind>(mask, q)                  # bool [B, T]
-    kinds = head_kinds(q, retrieval row of the layer)        # bool [Hkv], runtime data of the op
+    kinds = kinds_slot(state.kinds, slot)                    # bool [Hkv], runtime data (ops/state.py)
     res   = lychee.hybrid_decode.default(q, K, V, valid, kinds, <idx_in>, scale, block, sink, local,
                                          policy, policy_param)
     out   = res[0]                                           # replaces the attention output
@@ -22,25 +23,43 @@ from .context import PassContext, Site
 from .thread_heat import heat_slot
 
 
-def head_kinds(q: torch.Tensor, row: tuple) -> torch.Tensor:
-    """The layer's head kinds as a tensor on q's device: bool [Hkv], True = retrieval head."""
-    return torch.tensor(row, dtype=torch.bool, device=q.device)
+def kinds_slot(kinds: torch.Tensor, slot: int) -> torch.Tensor:
+    """kinds bool [Lg, Hkv] -> the slot's row [Hkv] (True = retrieval head). A view of the state buffer, so a head
+    map written into the buffer by set_head_map() reaches the op at the next call with no recompile."""
+    return kinds[slot]
 
 
 def rewrite_sites(ctx: PassContext) -> None:
     global_sites = [s for s in ctx.sites if s.kind == "global"]
-    if ctx.heat_input is not None and ctx.heat_input.meta["example_value"].shape[1] != len(global_sites):
-        ctx.refuse_graph(f"the heat state has {ctx.heat_input.meta['example_value'].shape[1]} layer slots but the "
-                         f"graph has {len(global_sites)} global layers")
+    if global_sites and ctx.config.attention == "hybrid" and not _state_fits(ctx, len(global_sites)):
         return
     for slot, site in enumerate(global_sites):
         _rewrite(ctx, site, slot)
         ctx.counters.sites_rewritten += 1
 
 
+def _state_fits(ctx: PassContext, n_global: int) -> bool:
+    """The bound state buffers exist and have one slot per global layer of this graph (else the graph is refused)."""
+    wanted = {"kinds": 0} if ctx.config.heat_blocks == 0 else {"kinds": 0, "heat": 1}   # name -> slot dimension
+    for name, dim in wanted.items():
+        node = ctx.state_inputs.get(name)
+        if node is None:
+            ctx.refuse_graph(f"the graph carries no {name} state buffer (the model's forward was not wrapped by "
+                             "lychee_compile?)")
+            return False
+        slots = node.meta["example_value"].shape[dim]
+        if slots != n_global:
+            ctx.refuse_graph(f"the {name} state has {slots} layer slots but the graph has {n_global} global layers")
+            return False
+    return True
+
+
 def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int):
     """The lychee op for one site: hybrid_decode, or hybrid_decode_heat reading its heat slot (heat enabled)."""
     graph, cfg = ctx.gm.graph, ctx.config
+    if cfg.attention == "flash_dense":
+        return graph.call_function(torch.ops.lychee.dense_decode.default, (site.q, site.kv_k, site.kv_v, valid,
+                                                                           site.scale))
     args = (site.q, site.kv_k, site.kv_v, valid, kinds, None)
     tail = (site.scale, cfg.block_size, cfg.sink_tokens, cfg.local_tokens, cfg.policy_code,
             float(cfg.selection_param))
@@ -53,23 +72,25 @@ def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int):
 
 def _rewrite(ctx: PassContext, site: Site, slot: int) -> None:
     graph = ctx.gm.graph
-    row = tuple(bool(x) for x in ctx.retrieval[site.layer_idx].tolist())
+    dense = ctx.config.attention == "flash_dense"        # one output, no head kinds, no index state
     with graph.inserting_before(site.output):
         if site.mask_kind == "none":
             valid = graph.call_function(valid_everywhere, (site.q, site.kv_k))
         else:
             valid = graph.call_function(VALID_FROM[site.mask_kind], (site.mask, site.q))
-        kinds = graph.call_function(head_kinds, (site.q, row))
+        kinds = None if dense else graph.call_function(kinds_slot, (ctx.kinds_input, slot))
         op = _op_call(ctx, site, valid, kinds, slot)
-        out = graph.call_function(operator.getitem, (op, 0))
-        graph.call_function(operator.getitem, (op, 1))
+        out = op if dense else graph.call_function(operator.getitem, (op, 0))
+        if not dense:
+            graph.call_function(operator.getitem, (op, 1))
         if ctx.heat_input is not None:
             site.heat_out = graph.call_function(operator.getitem, (op, 2))
     for node in (valid, kinds, op, out):
-        node.meta["nn_module_stack"] = site.output.meta.get("nn_module_stack", {})
+        if node is not None:
+            node.meta["nn_module_stack"] = site.output.meta.get("nn_module_stack", {})
     op.meta["lychee_layer"] = site.layer_idx
     site.output.replace_all_uses_with(out)
-    site.op_node = op
+    site.op_node = None if dense else op
     _erase_matched(ctx, site)
 
 

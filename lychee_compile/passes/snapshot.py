@@ -3,9 +3,9 @@
 Only what the rewrite decides is printed -- the lychee ops with their inputs named by role, the index-state chain,
 and the attention left dense -- so a snapshot changes when our rewrite changes, not when Dynamo renames a node:
 
-    lychee graph v1: 3 lychee ops, dense attention left: sdpa=0 softmax=0
+    lychee graph v3: 3 lychee ops, dense attention left: sdpa=0 softmax=0
     op 0 layer=0 q=[2,4,1,16] k=past_key_values.layers.0.keys v=past_key_values.layers.0.values
-         valid=valid_from_bool_mask(attention_mask) kinds=head_kinds(R,R) idx_in=empty(K=4) scale=0.25 block=4 ...
+         valid=valid_from_bool_mask(attention_mask) kinds=kinds_slot(state.kinds, 0) idx_in=empty(K=4) scale=0.25 block=4 ...
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 import torch.fx
 
 from ..ops.hybrid_decode import hybrid_decode_op
+from ..ops.state import STATE_NAMES
 from .graph_query import is_op, shape
 
 _ARG_NAMES = ("q", "k", "v", "valid", "kinds", "idx_in", "scale", "block", "sink", "local", "policy", "param")
@@ -26,6 +27,7 @@ _ARG_NAMES = _ARG_NAMES + ("quest", "quest_blocks")
 def _lychee_ops() -> dict:
     import torch
     return {hybrid_decode_op(): ("hybrid_decode", _ARG_NAMES),
+            torch.ops.lychee.dense_decode.default: ("dense_decode", ("q", "k", "v", "valid", "scale")),
             torch.ops.lychee.hybrid_decode_heat.default: ("hybrid_decode_heat", _HEAT_ARG_NAMES)}
 
 
@@ -34,7 +36,7 @@ def graph_snapshot(gm: torch.fx.GraphModule) -> str:
     ops = [n for n in gm.graph.nodes if n.target in known]
     layer_of = {op: i for i, op in enumerate(ops)}
     dense = {name: sum(is_op(n, name) for n in gm.graph.nodes) for name in ("sdpa", "softmax")}
-    lines = [f"lychee graph v2: {len(ops)} lychee ops, dense attention left: "
+    lines = [f"lychee graph v3: {len(ops)} lychee ops, dense attention left: "
              + " ".join(f"{k}={v}" for k, v in dense.items())]
     for i, op in enumerate(ops):
         op_name, arg_names = known[op.target]
@@ -53,13 +55,11 @@ def _render(a, layer_of) -> str:
         return _placeholder_name(a.target)
     if a.op == "call_function" and a.target.__module__.startswith("lychee_compile"):
         name = a.target.__name__
-        if name == "head_kinds":
-            return "head_kinds(" + ",".join("R" if r else "S" for r in a.args[1]) + ")"
         if name == "drop_inherited":
             rows = ",".join("T" if r else "-" for r in a.args[1])
             return f"drop_inherited({_render(a.args[0], layer_of)}, streaming={rows})"
-        if name == "heat_slot":
-            return f"heat_slot({_render(a.args[0], layer_of)}, {a.args[1]})"
+        if name in ("heat_slot", "kinds_slot"):
+            return f"{name}({_render(a.args[0], layer_of)}, {a.args[1]})"
         if name == "empty_index_state_like":
             return f"empty(K={a.args[1]})"
         inner = ",".join(_render(x, layer_of) for x in a.args if isinstance(x, torch.fx.Node) and x.op == "placeholder")
@@ -72,7 +72,8 @@ def _render(a, layer_of) -> str:
 
 def _placeholder_name(target: str) -> str:
     """Dynamo's L_kwargs_past_key_values_layers_0_keys -> cache.layers.0.keys (stable across versions)."""
-    if "lychee_heat" in str(target):
-        return "state.heat"
+    for name in STATE_NAMES:
+        if f"lychee_{name}" in str(target):
+            return f"state.{name}"
     name = re.sub(r"^L_(kwargs_|self_)?", "", str(target)).strip("_")
     return re.sub(r"past_key_values_layers_(\d+)_(keys|values)", r"cache.layers.\1.\2", name)
