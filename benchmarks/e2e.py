@@ -8,7 +8,8 @@ Rows (--rows, comma list; each row is timed at every context):
   hf          HF as-is: model.get_compiled_call(generation_config.compile_config) with HF's defaults (Inductor,
               "reduce-overhead"): masked SDPA over max_cache_len after repeat_kv
   flash_dense the best dense path without our kernel: the same rewritten model with
-              LycheeConfig(attention="flash_dense"): FlashAttention over the valid length, native GQA (CUDA only)
+              LycheeConfig(attention="flash_dense"): FlashAttention-2 varlen over the valid length, native GQA
+              (on the CPU, dry run: the op's masked reference)
   dense       lychee dense mode: our kernel, every KV head retrieval (budget = the largest of --budgets)
   h12_<b>     lychee hybrid, 12.5% retrieval KV heads (random map), budget <b> tokens
   h25_<b>     lychee hybrid, 25% retrieval KV heads, budget <b>
@@ -459,28 +460,12 @@ def compiled_forward(variant: Variant, loop_kwargs: dict):
     return model.get_compiled_call(config.compile_config)
 
 
-def apply_head_map(args, variant: Variant, row: str, features: dict, base, cache=None, batch=1, fallback=None):
-    """Swap the head map in place (set_head_map). Without it (lead's change not merged) only the CPU dry run may
-    fall back to one compiled model per head map; that compile's Dynamo counts are returned apart (fallback)."""
+def apply_head_map(args, variant: Variant, row: str):
+    """Swap the compiled model's head kinds in place (no recompile); returns the map."""
+    import lychee_compile
     head_map = row_head_map(row, variant.model, args.seed)
-    if features["set_head_map"]:
-        import lychee_compile
-        lychee_compile.set_head_map(variant.model, head_map)
-        return variant, head_map, fallback
-    if args.device == "cuda":
-        raise BenchError("lychee_compile.set_head_map is missing in this checkout (lead's change not merged): "
-                         "several head maps on one compiled model need it; one compile per map does not fit.")
-    print(f"  [fallback] no set_head_map: compiling a new model for {row} (CPU dry run only)", flush=True)
-    from lychee_compile import lychee_compile
-    before = dynamo_counts()
-    model = clone_model(base)
-    lychee_compile(model, head_map, lychee_config(args, "lychee", variant.budget))   # probe compiles
-    new = Variant(variant.name, model, budget=variant.budget, global_layers=variant.global_layers)
-    if cache is not None:
-        first_call(new, cache, args, batch)
-        counts = delta(dynamo_counts(), before)
-        fallback = {k: (fallback or {}).get(k, 0) + v for k, v in counts.items()}
-    return new, head_map, fallback
+    lychee_compile.set_head_map(variant.model, head_map)
+    return head_map
 
 
 # ------------------------------------------------------------------------------------------------ one batch size
@@ -507,8 +492,7 @@ def rows_of(args, kind: str, budget: int) -> list[str]:
 
 
 def skip_reason(args, kind: str, features: dict) -> str | None:
-    if kind == "flash_dense" and args.device != "cuda":
-        return "flash_dense is CUDA only (FlashAttention varlen)"
+    """(On the CPU the flash_dense row runs lychee.dense_decode's masked reference: a logic check, not a baseline.)"""
     if kind == "flash_dense" and not features["flash_dense"]:
         return "LycheeConfig has no attention= field in this checkout (lead's flash_dense change not merged)"
     return None
@@ -535,15 +519,13 @@ def first_call(variant: Variant, cache, args, batch: int) -> dict:
                 compile_peak_gb=memory_now(args.device)["peak_gb"])
 
 
-def time_rows(args, variant, rows, cache, batch, features, base, ctx_info, budget_clock, results) -> tuple:
-    """Every row of one compiled variant at every context. Returns (decode steps run, Dynamo counts of the dry-run
-    fallback's own compiles, which are not recompiles)."""
-    steps_run, fallback = 0, {}
+def time_rows(args, variant, rows, cache, batch, ctx_info, budget_clock, results) -> int:
+    """Every row of one compiled variant at every context; returns the decode steps run."""
+    steps_run = 0
     for row in rows:
         current, effective = variant, None
         if row not in ("hf", "flash_dense"):
-            current, head_map, fallback = apply_head_map(args, variant, row, features, base, cache, batch, fallback)
-            effective = quiet_effective(head_map, current.global_layers)
+            effective = quiet_effective(apply_head_map(args, variant, row), variant.global_layers)
         for ctx in args.context_list:
             if budget_clock.left() <= 0:
                 results["skipped"].append(dict(batch=batch, row=row, context=ctx, reason="--max-seconds reached"))
@@ -555,7 +537,7 @@ def time_rows(args, variant, rows, cache, batch, features, base, ctx_info, budge
             results["rows"].append(rec)
             print_row(rec)
             write_json(args, results)
-    return steps_run, fallback
+    return steps_run
 
 
 def quiet_effective(head_map, global_layers):
@@ -604,26 +586,26 @@ def run_batch(args, base, batch, features, copy_bw, budget_clock, results) -> No
             results["skipped"] += [dict(batch=batch, row=r, reason=reason) for r in rows]
             print(f"skip {rows} (batch {batch}): {reason}", flush=True)
             continue
-        run_variant(args, base, kind, budget, rows, cache, batch, features, ctx_info, budget_clock, results)
+        run_variant(args, base, kind, budget, rows, cache, batch, ctx_info, budget_clock, results)
     del cache
     release_compiled()
 
 
-def run_variant(args, base, kind, budget, rows, cache, batch, features, ctx_info, budget_clock, results) -> None:
+def run_variant(args, base, kind, budget, rows, cache, batch, ctx_info, budget_clock, results) -> None:
     variant = build_variant(args, base, kind, budget)
     print(f"== {variant.name} batch {batch}: setup {variant.setup_s:.1f}s, compiling ...", flush=True)
     info = first_call(variant, cache, args, batch)
     print(f"   compile (first call) {info['compile_s']:.1f}s, second call {info['second_call_s']:.2f}s, "
           f"counts {info['compile_counts']}", flush=True)
     before = dynamo_counts()
-    steps, fallback = time_rows(args, variant, rows, cache, batch, features, base, ctx_info, budget_clock, results)
-    recompiles = {k: v - fallback.get(k, 0) for k, v in delta(dynamo_counts(), before).items()}
+    steps = time_rows(args, variant, rows, cache, batch, ctx_info, budget_clock, results)
+    recompiles = delta(dynamo_counts(), before)
     rec = dict(model=args.model, layers=variant.model.config.num_hidden_layers, batch=batch, variant=variant.name,
                rows=rows, setup_s=variant.setup_s, **info,
                compile_cache=compile_cache_state(args, batch),
                steps_after_compile=steps, recompile_counts=recompiles,
                recompiles=max(recompiles.values()),
-               lychee_counters=_lychee_counters(variant.model), fallback_compile_counts=fallback or None)
+               lychee_counters=_lychee_counters(variant.model))
     results["variants"].append(rec)
     print(f"   {variant.name}: {steps} decode steps after the compile, recompiles {rec['recompiles']} "
           f"({recompiles})", flush=True)
@@ -821,7 +803,7 @@ def report(results, out_dir: str, stem: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ dry-run check
-def check_harness(args, base, features) -> dict:
+def check_harness(args, base) -> dict:
     """Dry run only: the loop reproduces generate() -- generate's prefill (1 token) into a user StaticCache, then
     DecodeLoop continues; logits must equal a plain generate() on an identical cache, for HF and a hybrid model."""
     from transformers import StaticCache
@@ -830,7 +812,7 @@ def check_harness(args, base, features) -> dict:
     mask = torch.ones_like(prompt)
     n_new = 6
     for kind in ("hf", "lychee"):
-        ref_model, loop_model = (harness_variant(args, base, kind, features) for _ in range(2))
+        ref_model, loop_model = (harness_variant(args, base, kind) for _ in range(2))
         ref = ref_model.model.generate(prompt, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
                                        past_key_values=StaticCache(config=base.config, max_cache_len=96),
                                        return_dict_in_generate=True, output_logits=True)
@@ -855,10 +837,10 @@ def check_harness(args, base, features) -> dict:
     return out
 
 
-def harness_variant(args, base, kind, features) -> Variant:
+def harness_variant(args, base, kind) -> Variant:
     variant = build_variant(args, base, kind, args.budget_list[0])
     if kind == "lychee":
-        variant = apply_head_map(args, variant, f"h25_{args.budget_list[0]}", features, base)[0]
+        apply_head_map(args, variant, f"h25_{args.budget_list[0]}")
     variant.model.generation_config.cache_implementation = None     # the check passes its own StaticCache
     return variant
 
@@ -899,7 +881,7 @@ def main(argv=None) -> int:
     results["meta"]["copy_bw_TBps"] = copy_bw / 1e12
     print(json.dumps(results["meta"]), flush=True)
     if args.dry_run:
-        results["harness_check"] = check_harness(args, base, features)
+        results["harness_check"] = check_harness(args, base)
     for batch in args.batches:
         run_batch(args, base, batch, features, copy_bw, budget_clock, results)
     results["targets"] = targets(results)
@@ -914,13 +896,10 @@ def preflight(args, features) -> None:
     lychee_rows = [r for r in args.row_list if variant_of(r, args.budget_list)[0] == "lychee"]
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda but torch.cuda.is_available() is False; use --dry-run on a CPU machine.")
-    if args.device != "cuda" or not lychee_rows:
-        return
-    if len(lychee_rows) > 1 and not features["set_head_map"]:
-        raise BenchError("lychee_compile.set_head_map is missing in this checkout (lead's change not merged): rows "
-                         f"{lychee_rows} share compiled models through it. Merge it or pass one lychee row per "
-                         "budget with --rows.")
-    if not args.no_cuda_graphs and not features["cuda_graphs"]:
+    if lychee_rows and not features["set_head_map"]:
+        raise BenchError("lychee_compile.set_head_map is missing in this checkout: the lychee rows "
+                         f"{lychee_rows} swap head maps on one compiled model with it. Merge main (commit 02c8449+).")
+    if args.device == "cuda" and lychee_rows and not args.no_cuda_graphs and not features["cuda_graphs"]:
         raise BenchError("LycheeConfig has no cuda_graphs field in this checkout (lead's change not merged); "
                          "merge it or pass --no-cuda-graphs.")
 
