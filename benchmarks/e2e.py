@@ -1,0 +1,925 @@
+"""Issue 8 benchmark: whole-model decode TPOT, side by side in one run (random weights; timing needs none).
+
+    python benchmarks/e2e.py --model llama8b --batch 1 --out $OUT            # on the GPU machine
+    python benchmarks/e2e.py --dry-run --out /tmp/e2e                       # tiny Llama on the CPU: the logic only
+    python benchmarks/e2e.py --plot A.json [B.json ...] --out DIR           # PNG + Markdown table from results
+
+Rows (--rows, comma list; each row is timed at every context):
+  hf          HF as-is: model.get_compiled_call(generation_config.compile_config) with HF's defaults (Inductor,
+              "reduce-overhead"): masked SDPA over max_cache_len after repeat_kv
+  flash_dense the best dense path without our kernel: the same rewritten model with
+              LycheeConfig(attention="flash_dense"): FlashAttention-2 varlen over the valid length, native GQA
+              (on the CPU, dry run: the op's masked reference)
+  dense       lychee dense mode: our kernel, every KV head retrieval (budget = the largest of --budgets)
+  h12_<b>     lychee hybrid, 12.5% retrieval KV heads (random map), budget <b> tokens
+  h25_<b>     lychee hybrid, 25% retrieval KV heads, budget <b>
+  floor       per row: (weights bytes + the KV bytes that row must read) / device-to-device copy bandwidth measured
+              in the same run (bytes read + written)
+
+How the decode step is driven: exactly as generate()'s _sample() does after the prefill --
+model_forward = model.get_compiled_call(generation_config.compile_config); per step
+prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs) -> model_forward(**inputs,
+return_dict=True) -> _update_model_kwargs_for_generation -> greedy token appended. model_kwargs hold a 2-D
+attention_mask and position_ids of the whole sequence, logits_to_keep=1, use_cache=True and the StaticCache
+(recorded from a real generate() on transformers 5.17 and 5.23: the compiled call receives input_ids [B,1],
+position_ids [B,1], a bool mask [B,1,1,max_cache_len], past_key_values, logits_to_keep, use_cache, return_dict).
+No prefill: one StaticCache per batch size (max_cache_len = largest context + warmup + steps), filled with random
+K/V on the device; each layer's `cumulative_length` is set to the context, so the next step decodes at that position.
+All variants of one batch size share the weights and the cache; each variant is compiled once and timed at every
+context and head map (lychee_compile.set_head_map swaps head kinds in place, no recompile). Dynamo's counters must
+not move after the first call of a variant (asserted, >= 200 decode steps per variant with the defaults).
+
+Timing: CUDA events around each compiled call (the decode step itself; the host's prepare/update between steps is
+outside), warmup steps first; median, p10 and p90 of the per-step times. `loop_ms` is wall time per step of the
+whole generate-like loop (host work included). CPU: perf_counter per step.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GIB = 2 ** 30
+SHARES = {"h12": 0.125, "h25": 0.25}
+TARGET_LAYERS = 32
+
+
+class BenchError(RuntimeError):
+    """A precondition of the benchmark is not met; the message says which and what to do."""
+
+
+# ------------------------------------------------------------------------------------------------ configuration
+MODELS = {
+    # Llama-3-8B geometry (random weights): 32 layers, 32 q / 8 KV heads, d=128
+    "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                    tie_word_embeddings=False),
+    # SmolLM2-135M geometry: 30 layers, 9 q / 3 KV heads, d=64, tied embeddings
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                    tie_word_embeddings=True),
+    # dry run: tiny Llama, CPU
+    "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0,
+                 tie_word_embeddings=False),
+}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama8b")
+    ap.add_argument("--batch", default="1", help="comma list of batch sizes (one cache and compile set each)")
+    ap.add_argument("--contexts", default="4096,8192,32768,65536,131072",
+                    help="comma list of runtime positions (valid lengths) to decode at")
+    ap.add_argument("--budgets", default="1024,4096", help="hybrid budgets in tokens (one compile each)")
+    ap.add_argument("--rows", default="all", help="comma list of hf, flash_dense, dense, h12_<b>, h25_<b> or all")
+    ap.add_argument("--steps", type=int, default=100, help="timed decode steps per row and context")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed decode steps before each row and context")
+    ap.add_argument("--sink", type=int, default=16)
+    ap.add_argument("--local", type=int, default=64)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--max-seconds", type=float, default=540.0,
+                    help="stop starting new variants/rows after this many seconds (partial JSON is kept)")
+    ap.add_argument("--compile-reserve", type=float, default=None,
+                    help="do not start a compile with less time left than this (default 100 s on CUDA, 0 on CPU)")
+    ap.add_argument("--layers", type=int, default=None, help="override the layer count (GPU smoke runs)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny Llama on the CPU, eager backends, small contexts: exercises the whole logic")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="lychee variants without CUDA graphs")
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="keep TORCHINDUCTOR_CACHE_DIR/TRITON_CACHE_DIR as set (default: fresh ones, cold compile)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot", nargs="+", metavar="JSON", help="only turn result JSON files into PNG + table")
+    args = ap.parse_args(argv)
+    return finish_args(args, ap)
+
+
+def finish_args(args, ap):
+    if args.dry_run:
+        args.device = "cpu"
+        args.model = "tiny" if args.model == "llama8b" else args.model
+        if args.contexts == ap.get_default("contexts"):
+            args.contexts = "128,256"
+        if args.budgets == ap.get_default("budgets"):
+            args.budgets = "32,64"
+        if args.local == ap.get_default("local"):
+            args.local = 16
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.compile_reserve is None:
+        args.compile_reserve = 100.0 if args.device == "cuda" else 0.0
+    args.batches = [int(x) for x in args.batch.split(",")]
+    args.context_list = sorted({int(x) for x in args.contexts.split(",")}, reverse=True)
+    args.budget_list = sorted({int(x) for x in args.budgets.split(",")})
+    args.row_list = expand_rows(args.rows, args.budget_list)
+    if args.steps < 1 or args.warmup < 0:
+        raise BenchError("--steps must be >= 1 and --warmup >= 0.")
+    return args
+
+
+def expand_rows(rows: str, budgets: list[int]) -> list[str]:
+    known = ["hf", "flash_dense", "dense"] + [f"{s}_{b}" for b in budgets for s in SHARES]
+    if rows == "all":
+        return known
+    picked = [r.strip() for r in rows.split(",") if r.strip()]
+    unknown = [r for r in picked if r not in known]
+    if unknown:
+        raise BenchError(f"unknown rows {unknown}; choose from {known} (h12_/h25_ take a budget from --budgets).")
+    return picked
+
+
+def variant_of(row: str, budgets: list[int]) -> tuple[str, int]:
+    """Which compiled model a row runs on: ('hf'|'flash_dense'|'lychee', budget)."""
+    if row in ("hf", "flash_dense"):
+        return row, max(budgets)
+    if row == "dense":
+        return "lychee", max(budgets)
+    return "lychee", int(row.split("_")[1])
+
+
+def setup_environment(args) -> dict:
+    """Fresh compile caches (compile times are cold) unless --warm-cache; a recompile limit that several models on
+    one code object cannot reach (each variant is a new cache entry of nn.Module.__call__)."""
+    env = {}
+    if not args.warm_cache:
+        root = tempfile.mkdtemp(prefix="e2e_compile_cache_")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
+    env["inductor_cache"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return env
+
+
+def lychee_features() -> dict:
+    """What the lead's API offers in this checkout: set_head_map, LycheeConfig(cuda_graphs=, attention=)."""
+    import lychee_compile
+    from lychee_compile import LycheeConfig
+    fields = {f.name for f in dataclasses.fields(LycheeConfig)}
+    return dict(set_head_map=hasattr(lychee_compile, "set_head_map"), cuda_graphs="cuda_graphs" in fields,
+                flash_dense="attention" in fields)
+
+
+# ------------------------------------------------------------------------------------------------ model and cache
+def build_base_model(name: str, device: str, dtype: torch.dtype, max_len: int, layers: int | None = None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    shape = dict(MODELS[name], **({"num_hidden_layers": layers} if layers else {}))
+    cfg = LlamaConfig(**shape, max_position_embeddings=max_len, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.eval()
+    gc_ = model.generation_config
+    gc_.pad_token_id, gc_.eos_token_id, gc_.do_sample = 0, None, False
+    return model
+
+
+def clone_model(base):
+    """A new module tree sharing the base's parameters (no weight copy); buffers and configs are copied."""
+    memo = {id(p): p for p in base.parameters()}
+    return copy.deepcopy(base, memo)
+
+
+def weights_bytes(model, batch: int) -> int:
+    """Bytes of weights one decode step reads: every parameter once, except that an untied input embedding is
+    read only at the batch's token rows."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings().weight
+    if emb.data_ptr() != out.data_ptr():
+        total -= emb.numel() * emb.element_size() - batch * emb.shape[1] * emb.element_size()
+    return total
+
+
+def make_cache(model, batch: int, max_len: int, device: str, dtype: torch.dtype, seed: int):
+    """StaticCache initialized ahead of time and filled with random K/V (never zeros), one layer at a time."""
+    from transformers import StaticCache
+    cfg = model.config
+    cache = StaticCache(config=cfg, max_cache_len=max_len)
+    cache.early_initialization(batch, cfg.num_key_value_heads, cfg.head_dim, dtype, torch.device(device))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            t.normal_(generator=gen)
+    return cache
+
+
+def set_position(cache, position: int) -> None:
+    """The next decode step writes slot `position` and attends to positions 0..position (what a prefill of
+    `position` tokens leaves behind: transformers 5.17 and 5.23 keep it in each StaticLayer.cumulative_length)."""
+    for layer in cache.layers:
+        length = getattr(layer, "cumulative_length", None)
+        if not isinstance(length, torch.Tensor):
+            raise BenchError(f"{type(layer).__name__} has no cumulative_length tensor; this transformers version "
+                             "keeps cache positions differently (checked: 5.17, 5.23).")
+        length.fill_(position)
+
+
+# ------------------------------------------------------------------------------------------------ the decode loop
+class DecodeLoop:
+    """generate()'s decode loop from a given position, without the prefill (see the module docstring)."""
+
+    def __init__(self, model, forward, cache, batch: int, vocab: int, device: str):
+        self.model, self.forward, self.cache = model, forward, cache
+        self.batch, self.vocab, self.device = batch, vocab, device
+
+    def start(self, position: int, seed: int = 0) -> None:
+        set_position(self.cache, position)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        length = position + 1        # the prompt plus the token the prefill produced
+        self.input_ids = torch.randint(3, self.vocab, (self.batch, length), generator=gen, device=self.device)
+        mask = torch.ones(self.batch, length, dtype=torch.long, device=self.device)
+        self.kwargs = dict(attention_mask=mask, position_ids=(mask.cumsum(-1) - 1), logits_to_keep=1,
+                           past_key_values=self.cache, use_cache=True)
+
+    def inputs(self) -> dict:
+        return self.model.prepare_inputs_for_generation(self.input_ids, next_sequence_length=1, **self.kwargs)
+
+    def finish(self, outputs) -> torch.Tensor:
+        self.kwargs = self.model._update_model_kwargs_for_generation(outputs, self.kwargs, is_encoder_decoder=False)
+        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
+        self.input_ids = torch.cat([self.input_ids, logits.argmax(-1)[:, None]], dim=-1)
+        return logits
+
+    def step(self) -> torch.Tensor:
+        return self.finish(self.forward(**self.inputs(), return_dict=True))
+
+
+class StepClock:
+    """Per-step times of the compiled call: CUDA events (no sync per step) or perf_counter on the CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+        self.marks = []
+
+    def around(self, fn):
+        if self.cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            out = fn()
+            e1.record()
+            self.marks.append((e0, e1))
+            return out
+        t0 = time.perf_counter()
+        out = fn()
+        self.marks.append((t0, time.perf_counter()))
+        return out
+
+    def times_ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in self.marks]
+        return [(b - a) * 1e3 for a, b in self.marks]
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def quantile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def time_decode(loop: DecodeLoop, position: int, warmup: int, steps: int, device: str) -> dict:
+    loop.start(position)
+    with torch.no_grad():
+        for _ in range(warmup):
+            loop.step()
+        sync(device)
+        clock = StepClock(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            inputs = loop.inputs()
+            logits = loop.finish(clock.around(lambda: loop.forward(**inputs, return_dict=True)))
+        sync(device)
+        wall = time.perf_counter() - t0
+    ts = clock.times_ms()
+    return dict(tpot_ms=statistics.median(ts), p10_ms=quantile(ts, 0.1), p90_ms=quantile(ts, 0.9),
+                min_ms=min(ts), loop_ms=wall * 1e3 / steps, logits_finite=bool(torch.isfinite(logits).all()))
+
+
+# ------------------------------------------------------------------------------------------------ counters
+_COMPILES = [0]
+
+
+def _on_compile_start(*_args, **_kwargs) -> None:
+    _COMPILES[0] += 1
+
+
+def dynamo_counts() -> dict:
+    """Dynamo compiles since start: a compile-start callback (re-registered: torch._dynamo.reset() clears them),
+    graphs (counters["stats"]["unique_graphs"]) and frames (counted only by the fullgraph=False path)."""
+    from torch._dynamo.callback import callback_handler
+    from torch._dynamo.utils import counters
+    if _on_compile_start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_on_compile_start)
+    return dict(compiles=_COMPILES[0], frames=counters["frames"].get("total", 0),
+                unique_graphs=counters["stats"].get("unique_graphs", 0))
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def memory_now(device: str) -> dict:
+    if device != "cuda":
+        return dict(allocated_gb=None, peak_gb=None)
+    return dict(allocated_gb=torch.cuda.memory_allocated() / GIB, peak_gb=torch.cuda.max_memory_allocated() / GIB)
+
+
+def reset_peak(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def release_compiled() -> None:
+    """Drop every compiled artifact (the variant is done): Dynamo's caches and CUDA-graph trees."""
+    import gc
+    torch._dynamo.reset()           # also resets CUDA-graph trees (torch 2.11+)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------ head maps
+def all_retrieval_map(model):
+    from lychee_compile import HeadMap
+    return HeadMap.for_model(model)
+
+
+def random_map(model, share: float, seed: int):
+    """round(share * layers * kv_heads) retrieval heads spread as evenly as possible over the layers, random heads
+    within a layer (timing does not depend on which)."""
+    from lychee_compile import HeadMap
+    layers, kv = model.config.num_hidden_layers, model.config.num_key_value_heads
+    total = max(1, round(share * layers * kv))
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(layers, generator=gen)
+    per_layer = torch.full((layers,), total // layers)
+    per_layer[order[: total % layers]] += 1
+    retrieval = torch.zeros(layers, kv, dtype=torch.bool)
+    for layer in range(layers):
+        retrieval[layer, torch.randperm(kv, generator=gen)[: int(per_layer[layer])]] = True
+    return HeadMap(retrieval, {"method": f"random share {share}"}).with_model_metadata(model)
+
+
+def row_head_map(row: str, model, seed: int):
+    if row in ("dense", "flash_dense"):
+        return all_retrieval_map(model)
+    return random_map(model, SHARES[row.split("_")[0]], seed)
+
+
+# ------------------------------------------------------------------------------------------------ bytes floor
+def kv_read_bytes(model, row: str, batch: int, valid: float, budget: int, sink: int, local: int,
+                  effective) -> float:
+    """K+V bytes a row must read: dense rows every KV head over the valid length; hybrid rows retrieval heads over
+    the valid length, sparse heads sink + local + budget tokens (capped at the valid length)."""
+    cfg = model.config
+    per_token = batch * cfg.head_dim * 2 * model.dtype.itemsize        # K and V of one head, one position
+    heads_total = cfg.num_hidden_layers * cfg.num_key_value_heads
+    if effective is None:
+        return per_token * heads_total * valid
+    n_retr = int(effective.sum())
+    sparse_tokens = min(valid, sink + local + budget)
+    return per_token * (n_retr * valid + (heads_total - n_retr) * sparse_tokens)
+
+
+# ------------------------------------------------------------------------------------------------ variants
+@dataclasses.dataclass
+class Variant:
+    name: str                   # hf | flash_dense | lychee_b<budget>
+    model: object
+    forward: object = None
+    budget: int = 0
+    global_layers: list = None
+    setup_s: float = 0.0
+
+
+def lychee_config(args, kind: str, budget: int):
+    from lychee_compile import LycheeConfig
+    kw = dict(budget=budget, block_size=16, sink_tokens=args.sink, local_tokens=args.local)
+    if args.device == "cpu":
+        kw["backend"] = "eager"
+    elif not args.no_cuda_graphs:
+        kw["cuda_graphs"] = True              # preflight() checked that this checkout has the field
+    if kind == "flash_dense":
+        kw["attention"] = "flash_dense"
+    return LycheeConfig(**kw)
+
+
+def build_variant(args, base, kind: str, budget: int) -> Variant:
+    from lychee_compile import lychee_compile
+    from transformers import CompileConfig
+    model = clone_model(base)
+    t0 = time.perf_counter()
+    if kind == "hf":
+        if args.device == "cpu":       # dry run: HF's default (Inductor, reduce-overhead) needs a GPU
+            cc = CompileConfig(backend="eager", fullgraph=True, mode=None)
+            cc._compile_all_devices = True
+            model.generation_config.compile_config = cc
+        return Variant("hf", model, setup_s=time.perf_counter() - t0)
+    head_map = all_retrieval_map(model)
+    lychee_compile(model, head_map, lychee_config(args, kind, budget))
+    name = "flash_dense" if kind == "flash_dense" else f"lychee_b{budget}"
+    layers = model._lychee_state.global_layers
+    return Variant(name, model, budget=budget, global_layers=layers, setup_s=time.perf_counter() - t0)
+
+
+def compiled_forward(variant: Variant, loop_kwargs: dict):
+    """What generate() uses for its decode steps; refuses a model generate() would not compile."""
+    model = variant.model
+    config = model.generation_config
+    if not model._valid_auto_compile_criteria(loop_kwargs, config):
+        raise BenchError(f"{variant.name}: generate() would not compile this decode step (device/cache/config).")
+    if variant.name != "hf":
+        backend = getattr(config.compile_config, "backend", None)
+        name = getattr(backend, "__name__", str(backend))
+        if not name.startswith("lychee_backend_"):
+            raise BenchError(f"{variant.name}: compile_config.backend is {name!r}, not lychee's backend.")
+    return model.get_compiled_call(config.compile_config)
+
+
+def apply_head_map(args, variant: Variant, row: str):
+    """Swap the compiled model's head kinds in place (no recompile); returns the map."""
+    import lychee_compile
+    head_map = row_head_map(row, variant.model, args.seed)
+    lychee_compile.set_head_map(variant.model, head_map)
+    return head_map
+
+
+# ------------------------------------------------------------------------------------------------ one batch size
+class Budget:
+    def __init__(self, seconds: float):
+        self.t0, self.seconds = time.time(), seconds
+
+    def left(self) -> float:
+        return self.seconds - (time.time() - self.t0)
+
+
+def variants_needed(args) -> list[tuple[str, int]]:
+    """Compiled models in order of importance (what --max-seconds cuts last): lychee at the largest budget (dense
+    mode + the headline hybrid rows), the best dense path, HF as-is, then the other budgets."""
+    wanted = {variant_of(row, args.budget_list) for row in args.row_list}
+    top = max(args.budget_list)
+    order = [("lychee", top), ("flash_dense", top), ("hf", top)] + [("lychee", b) for b in
+                                                                      sorted(args.budget_list, reverse=True)[1:]]
+    return [v for v in order if v in wanted]
+
+
+def rows_of(args, kind: str, budget: int) -> list[str]:
+    return [r for r in args.row_list if variant_of(r, args.budget_list) == (kind, budget)]
+
+
+def skip_reason(args, kind: str, features: dict) -> str | None:
+    """(On the CPU the flash_dense row runs lychee.dense_decode's masked reference: a logic check, not a baseline.)"""
+    if kind == "flash_dense" and not features["flash_dense"]:
+        return "LycheeConfig has no attention= field in this checkout (lead's flash_dense change not merged)"
+    return None
+
+
+def first_call(variant: Variant, cache, args, batch: int) -> dict:
+    """The compile: the first call of the compiled decode step (at the largest context), then a second call
+    (CUDA-graph recording); Dynamo's counters before/after."""
+    forward = compiled_forward(variant, {"past_key_values": cache})
+    loop = DecodeLoop(variant.model, forward, cache, batch, variant.model.config.vocab_size, args.device)
+    loop.start(args.context_list[0])
+    before = dynamo_counts()
+    reset_peak(args.device)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        loop.step()
+        sync(args.device)
+        t1 = time.perf_counter()
+        loop.step()
+        sync(args.device)
+        t2 = time.perf_counter()
+    variant.forward = forward
+    return dict(compile_s=t1 - t0, second_call_s=t2 - t1, compile_counts=delta(dynamo_counts(), before),
+                compile_peak_gb=memory_now(args.device)["peak_gb"])
+
+
+def time_rows(args, variant, rows, cache, batch, ctx_info, budget_clock, results) -> int:
+    """Every row of one compiled variant at every context; returns the decode steps run."""
+    steps_run = 0
+    for row in rows:
+        current, effective = variant, None
+        if row not in ("hf", "flash_dense"):
+            effective = quiet_effective(apply_head_map(args, variant, row), variant.global_layers)
+        for ctx in args.context_list:
+            if budget_clock.left() <= 0:
+                results["skipped"].append(dict(batch=batch, row=row, context=ctx, reason="--max-seconds reached"))
+                continue
+            loop = DecodeLoop(current.model, current.forward, cache, batch, current.model.config.vocab_size,
+                              args.device)
+            rec = time_row(args, loop, current, row, ctx, batch, effective, ctx_info)
+            steps_run += args.warmup + args.steps
+            results["rows"].append(rec)
+            print_row(rec)
+            write_json(args, results)
+    return steps_run
+
+
+def quiet_effective(head_map, global_layers):
+    """The map the ops use (first global layer all retrieval), without HeadMap's warning about it."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return head_map.effective(global_layers)
+
+
+def time_row(args, loop, variant, row, ctx, batch, effective, ctx_info) -> dict:
+    counters = getattr(getattr(variant.model, "_lychee_state", None), "counters", None)
+    calls0 = counters.decode_calls if counters is not None else None
+    reset_peak(args.device)
+    stats = time_decode(loop, ctx, args.warmup, args.steps, args.device)
+    valid = ctx + 1 + args.warmup + (args.steps - 1) / 2                 # mean valid length over the timed steps
+    kv = kv_read_bytes(variant.model, row, batch, valid, variant.budget, args.sink, args.local,
+                       None if row in ("hf", "flash_dense") else effective)
+    w = ctx_info["weights_bytes"][batch]
+    rec = dict(model=args.model, batch=batch, context=ctx, row=row, variant=variant.name, budget=variant.budget,
+               **stats, floor_ms=(w + kv) / ctx_info["copy_bw"] * 1e3, weights_bytes=w, kv_bytes=kv,
+               mean_valid=valid, **memory_now(args.device))
+    if effective is not None:
+        rec["retrieval_share_effective"] = float(effective.float().mean())
+    if calls0 is not None:
+        rec["lychee_decode_calls"] = counters.decode_calls - calls0
+        if rec["lychee_decode_calls"] == 0:
+            rec["error"] = "the rewritten lychee decode graph never ran (decode_calls did not move)"
+        elif rec["lychee_decode_calls"] != args.warmup + args.steps:
+            rec["warning"] = f"decode_calls moved by {rec['lychee_decode_calls']}, not {args.warmup + args.steps}"
+    return rec
+
+
+def run_batch(args, base, batch, features, copy_bw, budget_clock, results) -> None:
+    max_len = max_cache_len(args)
+    dtype = base.dtype
+    cache = make_cache(base, batch, max_len, args.device, dtype, args.seed + batch)
+    results["meta"]["max_cache_len"][str(batch)] = max_len
+    ctx_info = dict(copy_bw=copy_bw, weights_bytes={batch: weights_bytes(base, batch)})
+    for kind, budget in variants_needed(args):
+        reason = skip_reason(args, kind, features)
+        rows = rows_of(args, kind, budget)
+        if reason is None and budget_clock.left() <= args.compile_reserve:
+            reason = f"--max-seconds: less than --compile-reserve {args.compile_reserve:.0f}s left for a compile"
+        if reason:
+            results["skipped"] += [dict(batch=batch, row=r, reason=reason) for r in rows]
+            print(f"skip {rows} (batch {batch}): {reason}", flush=True)
+            continue
+        run_variant(args, base, kind, budget, rows, cache, batch, ctx_info, budget_clock, results)
+    del cache
+    release_compiled()
+
+
+def run_variant(args, base, kind, budget, rows, cache, batch, ctx_info, budget_clock, results) -> None:
+    variant = build_variant(args, base, kind, budget)
+    print(f"== {variant.name} batch {batch}: setup {variant.setup_s:.1f}s, compiling ...", flush=True)
+    info = first_call(variant, cache, args, batch)
+    print(f"   compile (first call) {info['compile_s']:.1f}s, second call {info['second_call_s']:.2f}s, "
+          f"counts {info['compile_counts']}", flush=True)
+    before = dynamo_counts()
+    steps = time_rows(args, variant, rows, cache, batch, ctx_info, budget_clock, results)
+    recompiles = delta(dynamo_counts(), before)
+    rec = dict(model=args.model, layers=variant.model.config.num_hidden_layers, batch=batch, variant=variant.name,
+               rows=rows, setup_s=variant.setup_s, **info,
+               compile_cache=compile_cache_state(args, batch),
+               steps_after_compile=steps, recompile_counts=recompiles,
+               recompiles=max(recompiles.values()),
+               lychee_counters=_lychee_counters(variant.model))
+    results["variants"].append(rec)
+    print(f"   {variant.name}: {steps} decode steps after the compile, recompiles {rec['recompiles']} "
+          f"({recompiles})", flush=True)
+    write_json(args, results)
+    del variant
+    release_compiled()
+
+
+def compile_cache_state(args, batch: int) -> str:
+    if args.warm_cache:
+        return "as set in the environment (--warm-cache)"
+    return "cold" if batch == args.batches[0] else "fresh for this process, shared with its earlier batch sizes"
+
+
+def _lychee_counters(model):
+    state = getattr(model, "_lychee_state", None)
+    if state is None:
+        return None
+    c = state.counters.as_dict()
+    c.pop("reasons", None)
+    return c
+
+
+def max_cache_len(args) -> int:
+    need = max(args.context_list) + args.warmup + args.steps + 2 + 2     # + the compile's two calls
+    return -(-need // 256) * 256
+
+
+# ------------------------------------------------------------------------------------------------ bandwidth
+def measure_copy_bw(device: str) -> float:
+    """Device-to-device copy of a 1 GiB buffer (CPU: 64 MiB), bytes read + written per second; median of 20."""
+    n = (1 << 30) if device == "cuda" else (64 << 20)
+    a = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    clock = StepClock(device)
+    for _ in range(20):
+        clock.around(lambda: b.copy_(a))
+    t = statistics.median(clock.times_ms()) * 1e-3
+    del a, b
+    return 2 * n / t
+
+
+# ------------------------------------------------------------------------------------------------ targets
+def find(rows, **kw):
+    for r in rows:
+        if all(r.get(k) == v for k, v in kw.items()) and "error" not in r:
+            return r
+    return None
+
+
+def targets(results) -> list[dict]:
+    """Issue 8's targets (H100) next to what this run measured; None where the run has no such row."""
+    models = [r["model"] for r in results["rows"]]
+    model = "llama8b" if "llama8b" in models else (models[0] if models else None)
+    rows, out = [r for r in results["rows"] if r["model"] == model], []
+    big = max((r["context"] for r in rows), default=None)
+    hyb = "h12_4096"
+
+    def add(name, value, ok):
+        out.append(dict(target=name, measured=value, met=None if value is None else ok(value)))
+
+    dense = find(rows, row="dense", batch=1, context=big)
+    h = find(rows, row=hyb, batch=1, context=big)
+    flash = find(rows, row="flash_dense", batch=1, context=big)
+    hf = find(rows, row="hf", batch=1, context=big)
+    add(f"dense mode <= 1.15x its floor at {big} b1", dense and dense["tpot_ms"] / dense["floor_ms"],
+        lambda v: v <= 1.15)
+    add(f"hybrid 12.5%/4096 <= 1.2x its floor at {big} b1", h and h["tpot_ms"] / h["floor_ms"], lambda v: v <= 1.2)
+    add(f"hybrid 12.5%/4096 >= 1.5x over best dense at {big} b1", h and flash and flash["tpot_ms"] / h["tpot_ms"],
+        lambda v: v >= 1.5)
+    add(f"hybrid 12.5%/4096 >= 9x over HF as-is at {big} b1", h and hf and hf["tpot_ms"] / h["tpot_ms"],
+        lambda v: v >= 9)
+    small = min((r["context"] for r in rows), default=None)
+    d4 = find(rows, row="dense", batch=1, context=small)
+    worst = max((r["tpot_ms"] / d4["tpot_ms"] for r in rows if d4 and r["context"] == small and r["batch"] == 1
+                 and r["row"].startswith("h") and r["row"] != "hf" and "error" not in r), default=None)
+    add(f"at {small} every hybrid row within 5% of dense mode (b1; worst ratio)", worst, lambda v: v <= 1.05)
+    for v in results["variants"]:
+        if v["variant"] != "hf" and v["model"] == model:
+            add(f"compile <= 90 s ({model} {v['variant']}, b{v['batch']}, {v['layers']} layers)",
+                v["compile_s"], lambda s: s <= 90)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ output
+def write_json(args, results) -> str:
+    path = os.path.join(args.out, f"e2e_{args.model}_b{'-'.join(map(str, args.batches))}.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    return path
+
+
+def print_row(r: dict) -> None:
+    print(f"   b{r['batch']} ctx {r['context']:>7} {r['row']:<12} TPOT {r['tpot_ms']:8.3f} ms "
+          f"(p10 {r['p10_ms']:.3f} p90 {r['p90_ms']:.3f}) loop {r['loop_ms']:.3f} | floor {r['floor_ms']:.3f} ms "
+          f"| peak {_fmt(r['peak_gb'], '.1f')} GB{'  ERROR ' + r['error'] if 'error' in r else ''}", flush=True)
+
+
+def _fmt(x, spec=".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown_table(results) -> str:
+    rows = results["rows"]
+    comp = {(v["model"], v["batch"], v["variant"]): v for v in results["variants"]}
+    lines = ["| model | B | ctx | row | TPOT ms (median) | p10-p90 ms | loop ms | floor ms | x floor | x best dense "
+             "| x HF | compile s | peak GB | recompiles |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r["model"], r["batch"], r["context"], _row_order(r["row"]))):
+        ref = {k: find(rows, model=r["model"], batch=r["batch"], context=r["context"], row=k)
+               for k in ("flash_dense", "hf")}
+        v = comp.get((r["model"], r["batch"], r["variant"]), {})
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {_ctx(r['context'])} | {r['row']} | {r['tpot_ms']:.3f} | "
+            f"{r['p10_ms']:.3f}-{r['p90_ms']:.3f} | {r['loop_ms']:.3f} | {r['floor_ms']:.3f} | "
+            f"{r['tpot_ms'] / r['floor_ms']:.2f} | {_ratio(ref['flash_dense'], r)} | {_ratio(ref['hf'], r)} | "
+            f"{_fmt(v.get('compile_s'), '.1f')} | {_fmt(r['peak_gb'], '.1f')} | {v.get('recompiles', '-')} |")
+    return "\n".join(lines)
+
+
+def _row_order(row: str) -> int:
+    order = ["hf", "flash_dense", "dense"]
+    return order.index(row) if row in order else 3 + int(row.split("_")[1]) + (0 if row.startswith("h12") else 1)
+
+
+def _ctx(c: int) -> str:
+    return f"{c // 1024}K" if c % 1024 == 0 else str(c)
+
+
+def _ratio(ref, r) -> str:
+    return "-" if ref is None else f"{ref['tpot_ms'] / r['tpot_ms']:.2f}"
+
+
+def targets_table(results) -> str:
+    lines = ["| target | measured | met |", "|---|---:|---|"]
+    for t in results.get("targets", []):
+        met = "-" if t["met"] is None else ("yes" if t["met"] else "no")
+        lines.append(f"| {t['target']} | {_fmt(t['measured'], '.2f')} | {met} |")
+    return "\n".join(lines)
+
+
+def plot(results, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = sorted({(r["model"], r["batch"]) for r in results["rows"]})
+    if not groups:
+        return
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
+    for ax, (model, batch) in zip(axes[0], groups):
+        rs = [r for r in results["rows"] if r["model"] == model and r["batch"] == batch]
+        for row in sorted({r["row"] for r in rs}, key=_row_order):
+            pts = sorted((r["context"], r["tpot_ms"], r["floor_ms"]) for r in rs if r["row"] == row)
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=row)
+            if row in ("dense", "h12_4096"):
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], ":", color=line.get_color(),
+                        label=f"{row} floor")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (valid length)")
+        ax.set_ylabel("TPOT ms (median)")
+        ax.set_title(f"{model}, batch {batch}")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"decode TPOT, {results['meta'].get('device', '?')}, {results['meta'].get('date', '')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def merge(paths: list[str]) -> dict:
+    merged = dict(meta={}, rows=[], variants=[], skipped=[], targets=[])
+    for p in paths:
+        with open(p) as f:
+            r = json.load(f)
+        merged["meta"] = merged["meta"] or r["meta"]
+        for k in ("rows", "variants", "skipped"):
+            merged[k] += r[k]
+    merged["targets"] = targets(merged)
+    return merged
+
+
+def report(results, out_dir: str, stem: str) -> None:
+    png = os.path.join(out_dir, f"{stem}.png")
+    try:
+        plot(results, png)
+        print(f"wrote {png}")
+    except ImportError as e:
+        print(f"no PNG (matplotlib missing: {e})")
+    print()
+    print(markdown_table(results))
+    print()
+    print(targets_table(results))
+
+
+# ------------------------------------------------------------------------------------------------ dry-run check
+def check_harness(args, base) -> dict:
+    """Dry run only: the loop reproduces generate() -- generate's prefill (1 token) into a user StaticCache, then
+    DecodeLoop continues; logits must equal a plain generate() on an identical cache, for HF and a hybrid model."""
+    from transformers import StaticCache
+    out = {}
+    prompt = torch.randint(3, base.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(prompt)
+    n_new = 6
+    for kind in ("hf", "lychee"):
+        ref_model, loop_model = (harness_variant(args, base, kind) for _ in range(2))
+        ref = ref_model.model.generate(prompt, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
+                                       past_key_values=StaticCache(config=base.config, max_cache_len=96),
+                                       return_dict_in_generate=True, output_logits=True)
+        cache = StaticCache(config=base.config, max_cache_len=96)
+        first = loop_model.model.generate(prompt, attention_mask=mask, max_new_tokens=1, past_key_values=cache)
+        loop = DecodeLoop(loop_model.model, compiled_forward(loop_model, {"past_key_values": cache}), cache,
+                          2, base.config.vocab_size, "cpu")
+        loop.input_ids = first
+        length = first.shape[1]
+        loop.kwargs = dict(attention_mask=torch.ones(2, length, dtype=torch.long),
+                           position_ids=torch.arange(length).expand(2, -1), logits_to_keep=1,
+                           past_key_values=cache, use_cache=True)
+        with torch.no_grad():
+            logits = torch.stack([loop.step() for _ in range(n_new - 1)])
+        err = (logits - torch.stack(ref.logits[1:])).abs().max().item()
+        out[kind] = dict(max_abs_diff=err, tokens_equal=bool(torch.equal(loop.input_ids, ref.sequences)))
+        print(f"harness vs generate ({kind}): max |logit diff| {err:.2e}, tokens equal {out[kind]['tokens_equal']}",
+              flush=True)
+        if err > 1e-4 or not out[kind]["tokens_equal"]:
+            raise BenchError(f"the decode loop does not reproduce generate() for {kind}: {out[kind]}")
+        release_compiled()
+    return out
+
+
+def harness_variant(args, base, kind) -> Variant:
+    variant = build_variant(args, base, kind, args.budget_list[0])
+    if kind == "lychee":
+        apply_head_map(args, variant, f"h25_{args.budget_list[0]}")
+    variant.model.generation_config.cache_implementation = None     # the check passes its own StaticCache
+    return variant
+
+
+# ------------------------------------------------------------------------------------------------ main
+def meta_of(args, env, features, base) -> dict:
+    import transformers
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+                argv=sys.argv, torch=torch.__version__, transformers=transformers.__version__,
+                device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", model=args.model,
+                layers=base.config.num_hidden_layers, dtype=str(base.dtype), batches=args.batches,
+                contexts=args.context_list, budgets=args.budget_list, rows=args.row_list, steps=args.steps,
+                warmup=args.warmup, sink=args.sink, local=args.local, lychee_features=features, max_cache_len={},
+                **env)
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return meta
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.plot:
+        results = merge(args.plot)
+        report(results, args.out, "e2e")
+        return 0
+    env = setup_environment(args)
+    features = lychee_features()
+    preflight(args, features)
+    budget_clock = Budget(args.max_seconds)
+    copy_bw = measure_copy_bw(args.device)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    base = build_base_model(args.model, args.device, dtype, max_cache_len(args), args.layers)
+    results = dict(meta=meta_of(args, env, features, base), rows=[], variants=[], skipped=[], targets=[])
+    results["meta"]["copy_bw_TBps"] = copy_bw / 1e12
+    print(json.dumps(results["meta"]), flush=True)
+    if args.dry_run:
+        results["harness_check"] = check_harness(args, base)
+    for batch in args.batches:
+        run_batch(args, base, batch, features, copy_bw, budget_clock, results)
+    results["targets"] = targets(results)
+    path = write_json(args, results)
+    print(f"wrote {path}")
+    report(results, args.out, os.path.splitext(os.path.basename(path))[0])
+    return verdict(results)
+
+
+def preflight(args, features) -> None:
+    """Refuse at once (before minutes of model building and compiling) what cannot run on this checkout."""
+    lychee_rows = [r for r in args.row_list if variant_of(r, args.budget_list)[0] == "lychee"]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda but torch.cuda.is_available() is False; use --dry-run on a CPU machine.")
+    if lychee_rows and not features["set_head_map"]:
+        raise BenchError("lychee_compile.set_head_map is missing in this checkout: the lychee rows "
+                         f"{lychee_rows} swap head maps on one compiled model with it. Merge main (commit 02c8449+).")
+    if args.device == "cuda" and lychee_rows and not args.no_cuda_graphs and not features["cuda_graphs"]:
+        raise BenchError("LycheeConfig has no cuda_graphs field in this checkout (lead's change not merged); "
+                         "merge it or pass --no-cuda-graphs.")
+
+
+def verdict(results) -> int:
+    """Non-zero exit when a row failed or a variant recompiled (results are written first)."""
+    bad = [r for r in results["rows"] if "error" in r or not r["logits_finite"]]
+    recompiled = [v for v in results["variants"] if v["recompiles"]]
+    if results["skipped"]:
+        print(f"note: {len(results['skipped'])} rows/contexts skipped (reasons in the JSON's 'skipped')")
+    few = [v["variant"] for v in results["variants"] if v["steps_after_compile"] < 200]
+    if few:
+        print(f"note: fewer than 200 decode steps after the compile for {few} (recompile check weaker)")
+    for r in bad:
+        print(f"FAILED row {r['row']} b{r['batch']} ctx {r['context']}: {r.get('error', 'non-finite logits')}")
+    for v in recompiled:
+        print(f"FAILED {v['variant']} b{v['batch']}: {v['recompiles']} recompiles after the first call "
+              f"({v['recompile_counts']})")
+    return 1 if bad or recompiled else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
