@@ -17,6 +17,7 @@ import torch
 
 from .backend import make_backend
 from .config import LycheeConfig, LycheeConfigError
+from .dynamic_cache import install_dynamic_cache
 from .head_map import HeadMap, HeadMapError
 from .rectify import install_rectification
 from .state_buffers import install_state, write_kinds
@@ -61,6 +62,7 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     if config.rectify_every:
         install_rectification(model, config.rectify_every)
     install_state(model, config, retrieval[global_layers])
+    install_dynamic_cache(model, backend, config)     # last: its compiled call must include the forward wrappers
     _guard_generate(model, counters, config.strict)
     setattr(model, _STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend,
                                             snapshots))
@@ -184,8 +186,8 @@ def _guard_generate(model, counters, strict: bool) -> None:
         if new_tokens > 1 and counters.decode_calls == before:
             counters.generate_calls_dense += 1
             message = ("generate() produced its tokens without the lychee decode step (it ran dense): transformers "
-                       "did not compile the decode step -- keep the static cache lychee_compile set (no "
-                       "cache_implementation / past_key_values overrides) and leave compilation enabled.")
+                       "did not compile the decode step -- use the static cache lychee_compile set or a "
+                       "DynamicCache (other cache kinds, use_cache=False or disabled compilation bypass it).")
             if strict:
                 raise LycheeCompileError(message)
             log.warning("lychee_compile: %s", message)

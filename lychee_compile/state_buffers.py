@@ -7,6 +7,8 @@ prefill zeroes the heat (a new sequence starts with none).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .config import LycheeConfigError
@@ -44,6 +46,7 @@ def _heat_blocks(model, config) -> int:
 def _wrap_forward(model) -> None:
     inner = model.forward
 
+    @functools.wraps(inner)     # generate() reads forward's signature to decide what to pass (position_ids, ...)
     def forward(*args, **kwargs):
         x = kwargs.get("input_ids", args[0] if args else None)
         x = kwargs.get("inputs_embeds") if x is None else x

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
 from lychee_compile import HeadMap, LycheeConfig, lychee_compile
 from lychee_compile.api import state_of
@@ -10,12 +11,14 @@ from tests.models import make, make_batch
 EXACT_TOL = 1e-4
 
 
-def generate_logits(model, input_ids, attention_mask, steps: int):
-    """Greedy generate with a static cache; returns (sequences, logits [steps, B, vocab])."""
+def generate_logits(model, input_ids, attention_mask, steps: int, cache: str = "static"):
+    """Greedy generate with a static cache, or (cache="dynamic") a DynamicCache passed in as past_key_values;
+    returns (sequences, logits [steps, B, vocab])."""
+    cache_kwargs = (dict(cache_implementation="static") if cache == "static"
+                    else dict(past_key_values=DynamicCache(config=model.config)))
     with torch.no_grad():
         out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=steps, min_new_tokens=steps,
-                             do_sample=False, cache_implementation="static", output_logits=True,
-                             return_dict_in_generate=True)
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, **cache_kwargs)
     return out.sequences, torch.stack(out.logits)
 
 

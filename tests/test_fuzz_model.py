@@ -1,5 +1,6 @@
 """Issue 2, model level: random tiny configs, head maps and LycheeConfigs; the compiled generate() equals the
-independent semantics reference (tests/semantics_ref.py) token for token over 8 steps, logits within 1e-4.
+independent semantics reference (tests/semantics_ref.py) token for token over 8 steps, logits within 1e-4, on a
+static cache or a DynamicCache (drawn; the reference runs on the same cache kind).
 
 Fixed seed (derandomized); a failure prints hypothesis' falsifying example, which is the reproducer: paste it into
 test_fuzz_regressions.py as a regular test. LYCHEE_FUZZ_EXAMPLES sets the case count (CI default below).
@@ -44,28 +45,30 @@ def cases(draw):
                              max_size=model.config.num_hidden_layers * n_kv))
         retrieval = torch.tensor(bits).reshape(model.config.num_hidden_layers, n_kv)
     seed = draw(st.integers(0, 2**16))
+    cache = draw(st.sampled_from(["static", "dynamic"]))
     return arch, attn, lengths, dict(budget=budget, block_size=block, sink_tokens=sink, local_tokens=local), \
-        retrieval, seed
+        retrieval, seed, cache
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, print_blob=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cases())
 def test_compiled_generate_equals_semantics(case):
-    arch, attn, lengths, cfg, retrieval, seed = case
-    print(f"case: arch={arch} attn={attn} lengths={lengths} config={cfg} seed={seed} "
+    arch, attn, lengths, cfg, retrieval, seed, cache = case
+    print(f"case: arch={arch} attn={attn} lengths={lengths} config={cfg} seed={seed} cache={cache} "
           f"retrieval={retrieval.int().tolist()}")
     torch._dynamo.reset()
     ids, mask = make_batch(lengths=lengths, seed=seed)
     model, state = compiled(arch, attn, retrieval=retrieval, **cfg)
-    seq, logits = generate_logits(model, ids, mask, STEPS)
+    seq, logits = generate_logits(model, ids, mask, STEPS, cache=cache)
     assert state.counters.graphs_left_dense == 0 and state.counters.sites_rewritten >= len(state.global_layers) > 0
+    assert state.counters.decode_calls == STEPS - 1
 
     reference = make(arch, attn)
     sem = semantics_ref.Semantics(retrieval, semantics_ref.global_layers_of(reference.config, ids.shape[1] + STEPS),
                                   **cfg)
     semantics_ref.register(sem)
     reference.config._attn_implementation = semantics_ref.NAME
-    ref_seq, ref_logits = generate_logits(reference, ids, mask, STEPS)
+    ref_seq, ref_logits = generate_logits(reference, ids, mask, STEPS, cache=cache)
     assert torch.equal(seq, ref_seq)
     assert max_logit_diff(logits, ref_logits) < 1e-4

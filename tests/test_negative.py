@@ -169,6 +169,6 @@ def test_generate_that_bypasses_the_rewrite_is_not_silent():
     lychee_compile(model, HeadMap.for_model(model), LycheeConfig(backend="eager"))
     ids, mask = make_batch(lengths=(6,))
     with pytest.raises(LycheeCompileError, match="without the lychee decode step"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=3, cache_implementation="dynamic")
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, disable_compile=True)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=3)
     assert out.shape[1] == ids.shape[1] + 3 and model._lychee_state.counters.decode_calls == 2

@@ -1,0 +1,86 @@
+"""Decode steps on a cache that transformers does not compile (DynamicCache) run through the lychee backend too.
+
+transformers' generate() compiles its decode step only for compileable caches (the static cache lychee_compile
+installs). With `past_key_values=DynamicCache()` or `cache_implementation="dynamic"` every step would call the
+uncompiled model and run dense. So the instance's forward is wrapped: a call with query length 1 whose cache is a
+DynamicCache (the cache grows by torch.cat, so its length changes every step) goes through
+`torch.compile(<fresh code object calling the inner forward>, backend=lychee_backend, fullgraph=True, dynamic=True)`.
+dynamic=True makes the cache length a symbol from the first decode graph on, so one graph serves every length (a new
+batch size may add a graph: Dynamo specializes 1, and duck sizing can tie B to a head count). Prefill (query length
+> 1) and calls made while Dynamo is already tracing (generate()'s static-cache path) go straight to the inner forward.
+
+Options that need a static cache are refused at the first dynamic decode step, before any sparse step runs:
+rectify_every rewinds the static cache's write offsets (rectify.py). Heat works: its buffer is sized by
+max_position_embeddings, not by the cache.
+"""
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+
+from .config import LycheeConfigError
+
+
+def _is_dynamic_decode(args, kwargs) -> bool:
+    """A decode step (one query token) on a DynamicCache, called outside Dynamo."""
+    if torch.compiler.is_compiling():
+        return False
+    from transformers import DynamicCache
+    cache = kwargs.get("past_key_values")
+    x = kwargs.get("input_ids", args[0] if args else None)
+    x = kwargs.get("inputs_embeds") if x is None else x
+    return isinstance(cache, DynamicCache) and x is not None and x.shape[1] == 1
+
+
+def install_dynamic_cache(model, backend, config) -> None:
+    """Wrap the instance's forward (install it after every other forward wrapper: the compiled call must include
+    them, e.g. the heat state's bind_state marker, so that the backend sees it in the graph) and its generate()."""
+    _route_decode_steps(model, backend, config)
+    _let_cache_objects_in(model)
+
+
+def _route_decode_steps(model, backend, config) -> None:
+    inner = model.forward
+    compiled = torch.compile(_fresh(inner), backend=backend, fullgraph=True, dynamic=True)
+
+    # wraps: generate() reads forward's signature to decide which inputs to pass (position_ids, logits_to_keep).
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        if not _is_dynamic_decode(args, kwargs):
+            return inner(*args, **kwargs)
+        if config.rectify_every:
+            raise LycheeConfigError(
+                "rectify_every needs the static cache lychee_compile installs: rectification rewinds its write "
+                "offsets. Drop the DynamicCache (past_key_values / cache_implementation='dynamic') or use "
+                "rectify_every=0.")
+        # dynamic=True would also turn float attributes (attention scaling, norm eps) into graph inputs; the passes
+        # need the scale as a number, and they are constants of the model.
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args, **kwargs)
+
+    model.forward = forward
+
+
+def _let_cache_objects_in(model) -> None:
+    """lychee_compile sets generation_config.cache_implementation = "static", and transformers refuses a generate()
+    that also passes a cache object (past_key_values=DynamicCache(...)). A cache the caller passes wins."""
+    inner = model.generate
+
+    @functools.wraps(inner)
+    def generate(*args, **kwargs):
+        if kwargs.get("past_key_values") is not None and "cache_implementation" not in kwargs:
+            kwargs["cache_implementation"] = None
+        return inner(*args, **kwargs)
+
+    model.generate = generate
+
+
+def _fresh(fn):
+    """A function calling fn, on a code object of its own: Dynamo keys its cache (and recompile limit) by code
+    object, so each model gets its own entries instead of sharing one with every other model."""
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return types.FunctionType(call.__code__.replace(), call.__globals__, "lychee_dynamic_decode", None,
+                              call.__closure__)
