@@ -111,6 +111,20 @@ def test_kernel_no_sink_no_local_and_empty_row():
     assert (idx[1, 0] == -1).all()
 
 
+def test_kernel_rows_far_shorter_than_the_cache():
+    # a static cache much longer than every row (the usual decode case): work and selection stop at the longest row
+    # end (TVP); the block-score workspace beyond it holds NaN poison that must never be read
+    from lychee_compile.lowering import template
+    args = make_case(2, 2, 2, 64, 512, torch.bfloat16, 16, 3, 16, 16, [(0, 70), (5, 33)], [True, False], seed=9)
+    ws = template.workspace(2, 2, 2, 64, 512, 16, 3, args[0].device)
+    for name in ("BLSE", "PM", "PL", "PACC"):
+        ws[name].fill_(float("nan"))
+    out, idx = check(*args, 0.125, 16, 16, 16, num_splits=3, ws=ws)
+    assert idx.max() < 70 // 16 + 1
+    ext = template.row_extent(args[3])
+    assert ext["ROWLO"].tolist() == [0, 5] and ext["ROWHI"].tolist() == [70, 33] and ext["TVP"].tolist() == [70]
+
+
 def test_kernel_fewer_candidates_than_slots():
     # short row: fewer candidate blocks than K -> all candidates, EMPTY padded
     args = make_case(1, 2, 2, 64, 128, torch.bfloat16, 16, 8, 16, 32, [(40, 128)], [True, False], seed=7)

@@ -51,6 +51,23 @@ def supported(q, k) -> str | None:
     return None
 
 
+def _row_extent(valid, T, device):
+    """ROWLO, ROWHI int32 [B] (first valid position, one past the last; (0, 0) for an empty row) and TVP int32 [1]
+    (the longest row end) as Inductor IR: reductions over VALID once per layer instead of every kernel program
+    scanning the row. template.row_extent is the eager twin."""
+    aten, L = torch.ops.aten, compat.lowerings
+    pos = L[torch.ops.prims.iota.default](T, start=0, step=1, dtype=torch.int32, device=device,
+                                          requires_grad=False)                              # [T]
+    hi = L[aten.amax.default](L[aten.where.self](valid, L[aten.add.Tensor](pos, 1), _int32(0, device)), [1])
+    lo = L[aten.amin.default](L[aten.where.self](valid, pos, _int32(2**30, device)), [1])
+    lo = L[aten.minimum.default](lo, hi)                                                    # empty row: 0
+    return [compat.realize(x) for x in (lo, hi, L[aten.amax.default](hi, [0], True))]
+
+
+def _int32(value: int, device):
+    return compat.lowerings[torch.ops.aten.scalar_tensor.default](value, dtype=torch.int32, device=device)
+
+
 def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
                            policy=0, policy_param=0.0, quest_mode=0, quest_blocks=0):
     # The templates implement the default top-K policy without Quest bounds; the rest runs the reference (extern).
@@ -73,6 +90,7 @@ def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size,
     NB = compat.CeilDiv(T, int(block_size))
     f32, i32 = torch.float32, torch.int32
     q, k, v, idx_in = (compat.realize(x) for x in (q, k, v, idx_in))
+    ext = _row_extent(valid, T, device)                     # [ROWLO, ROWHI, TVP]
     valid8 = compat.realize(compat.to_dtype(valid, torch.int8))
     retr8 = compat.realize(compat.to_dtype(retrieval, torch.int8))
     pm = compat.empty_strided([B * Hkv, num_splits, G], None, dtype=f32, device=device)
@@ -84,7 +102,7 @@ def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size,
     split_t, combine_t = templates()
 
     acc_layout = compat.fixed_layout(device, f32, [B * Hkv, num_splits, G, D])
-    split_inputs = [q, k, v, valid8, retr8, idx_in, pm, pl, blse, cnt]
+    split_inputs = [q, k, v, valid8, *ext, retr8, idx_in, pm, pl, blse, cnt]
     choices = []
     err = split_t.maybe_append_choice(choices, input_nodes=split_inputs, layout=acc_layout,
                                       mutated_inputs=[pm, pl, blse, cnt], call_sizes=[B], num_stages=3,
@@ -94,7 +112,7 @@ def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size,
     pacc = compat.select_one("lychee_hybrid_split", choices, split_inputs, acc_layout)
 
     out_layout = compat.fixed_layout(device, q.get_dtype(), [B, Hq, 1, D])
-    combine_inputs = [pacc, pm, pl, blse, valid8, retr8, idx_in, idx_out, keys, cnt]
+    combine_inputs = [pacc, pm, pl, blse, valid8, *ext, retr8, idx_in, idx_out, keys, cnt]
     choices = []
     err = combine_t.maybe_append_choice(choices, input_nodes=combine_inputs, layout=out_layout,
                                         mutated_inputs=[idx_out, keys, cnt], call_sizes=[B, T], num_stages=1,
