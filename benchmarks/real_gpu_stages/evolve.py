@@ -76,19 +76,47 @@ def _rectify(args, hm, res, report, dl, device) -> None:
         report.save()
 
 
+class _CountReencodes:
+    """Counts Rectifier._reencode calls (the dense re-encoding passes), so a run shows that rectification fired.
+    Measurement only: wraps the method for the duration of the with-block, behaviour unchanged."""
+
+    def __enter__(self):
+        from lychee_compile.rectify import Rectifier
+        self.n, self._orig, counter = 0, Rectifier._reencode, self
+
+        def counted(rect, *a, **kw):
+            counter.n += 1
+            return counter._orig(rect, *a, **kw)
+        Rectifier._reencode = counted
+        return self
+
+    def __exit__(self, *exc):
+        from lychee_compile.rectify import Rectifier
+        Rectifier._reencode = self._orig
+
+
 def _one_variant(base, dense, spec, ids, dense_new, n_new) -> dict:
     from lychee_compile.eval.scoring import Prefill, Variant, dense_prefill, score_steps
     v = Variant.build(base, spec)
-    new, ms = _greedy(v.model, ids, n_new)
-    pre = dense_prefill(base, ids, ids.shape[1] + n_new)        # the cache size generate() uses: one compiled graph
-    tf = score_steps(v.sequence_call(), pre, dense_new)
+    with _CountReencodes() as gen_passes:
+        new, ms = _greedy(v.model, ids, n_new)
+    c = v.counters()
+    gen_graphs = dict(decode_graphs=c.decode_graphs, graphs=c.graphs, graphs_left_dense=c.graphs_left_dense)
+    pre = dense_prefill(base, ids, ids.shape[1] + n_new)        # the cache size generate() uses
+    with _CountReencodes() as tf_passes:
+        tf = score_steps(v.sequence_call(), pre, dense_new)
     same = (torch.tensor(new) == torch.tensor(dense_new)).long()
     c = v.counters()
+    # generate() (transformers 5.x) calls the decode step with a bool attention mask and no cache_position;
+    # score_steps (lychee_compile/eval/scoring.py) passes a long mask and cache_position, so Dynamo guards fail
+    # and the teacher-forced part compiles a second decode graph: "after_generate" is generate()'s own count.
     return dict(teacher_forced_agreement=sum(tf.hits) / len(tf.hits), teacher_forced_nll=tf.nll,
                 teacher_forced_ppl=math.exp(tf.nll), free_run_equal_prefix=int(same.cumprod(0).sum()),
                 free_run_equal_total=int(same.sum()), dense_ppl_of_generated=_dense_ppl(dense, ids, new),
                 ms_per_token_amortized=ms, decode_graphs=c.decode_graphs, graphs=c.graphs,
-                graphs_left_dense=c.graphs_left_dense)
+                graphs_left_dense=c.graphs_left_dense, after_generate=gen_graphs,
+                rectify_passes_generate=gen_passes.n, rectify_passes_teacher_forced=tf_passes.n,
+                generate_calls_new_tokens=[n_new, 1, n_new])
 
 
 def _greedy(model, ids, n_new):
