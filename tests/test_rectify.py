@@ -62,3 +62,26 @@ def test_rectification_refused_with_sliding_layers():
     with pytest.raises(LycheeConfigError, match="every layer to be global"):
         lychee_compile(model, HeadMap.for_model(model), LycheeConfig(backend="eager", rectify_every=8))
     assert not hasattr(model, "_lychee_state")
+
+
+def test_rectified_entries_equal_dense_in_teacher_forced_scoring():
+    # the evaluation harness drives the compiled decode call itself (eval/scoring.py), passing cache_position and a
+    # 2-D mask: rectification must rewrite exactly the same slots there; the unrectified tail must still differ
+    from lychee_compile.eval.scoring import dense_prefill, score_steps
+    ids = torch.randint(3, 120, (1, 60), generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(3, 120, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    dense = make("llama", "sdpa")
+    dense_pre = dense_prefill(dense, ids, 96)
+    score_steps(lambda **kw: dense(**kw), dense_pre, targets, copy_cache=False)
+    model, _ = compiled("llama", "sdpa", retrieval=mixed_map(make("llama", "sdpa")), budget=8, block_size=4,
+                        sink_tokens=4, local_tokens=4, rectify_every=4)
+    pre = dense_prefill(model, ids, 96)
+    score_steps(model.get_compiled_call(model.generation_config.compile_config), pre, targets, copy_cache=False)
+    end = 60 + len(targets) - 1                    # positions written: prompt + every target but the last
+    rectified = 60 + (len(targets) - 1) // 4 * 4
+    for mine, ref in zip(pre.cache.layers, dense_pre.cache.layers):
+        assert torch.allclose(mine.keys[:, :, :rectified], ref.keys[:, :, :rectified], atol=1e-5)
+        assert torch.allclose(mine.values[:, :, :rectified], ref.values[:, :, :rectified], atol=1e-5)
+    tail = max((m.keys[:, :, rectified:end] - r.keys[:, :, rectified:end]).abs().max().item()
+               for m, r in zip(pre.cache.layers, dense_pre.cache.layers))
+    assert tail > 1e-3, "the tail after the last rectification is sparse-decoded and must differ from dense"
