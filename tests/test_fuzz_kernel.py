@@ -12,6 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.fuzz_counts import record
+
 kernel_tests = pytest.importorskip("tests.test_kernel_hybrid")
 
 EXAMPLES = int(os.environ.get("LYCHEE_OP_FUZZ_EXAMPLES", "500"))
@@ -54,6 +56,7 @@ def test_kernel_equals_reference(case):
     args = kernel_tests.make_case(B, Hkv, G, D, T, dtype, bs, K, sink, local, pads, retr, seed=seed)
     kernel_tests.check(*args, D ** -0.5, bs, sink, local, num_splits=splits)
     RAN.append(case)
+    record("op level (Triton kernels vs reference)")
 
 
 def test_zz_fuzz_case_count():

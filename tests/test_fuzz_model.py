@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from tests import semantics_ref
 from tests.harness import compiled, generate_logits, max_logit_diff
 from tests.models import make, make_batch
+from tests.fuzz_counts import record
 
 EXAMPLES = int(os.environ.get("LYCHEE_FUZZ_EXAMPLES", "16"))
 STEPS = 8
@@ -72,3 +73,4 @@ def test_compiled_generate_equals_semantics(case):
     ref_seq, ref_logits = generate_logits(reference, ids, mask, STEPS, cache=cache)
     assert torch.equal(seq, ref_seq)
     assert max_logit_diff(logits, ref_logits) < 1e-4
+    record(f"model level (compiled generate vs semantics, {cache} cache)")
