@@ -303,15 +303,16 @@ def main():
     if args.tune:
         variants = {
             "ours": {},
-            "s3x": dict(num_splits=3 * sms),
-            "s4x": dict(num_splits=4 * sms),
+            "blse_sums": dict(blse_sums=1),
             "bn128": dict(block_n=128),
-            "bn128_s3x": dict(block_n=128, num_splits=3 * sms),
+            "bn128_blse_sums": dict(block_n=128, blse_sums=1),
+            "s3x": dict(num_splits=3 * sms),
+            "s1x": dict(num_splits=sms),
             "st4": dict(split_stages=4),
-            "st5_s3x": dict(split_stages=5, num_splits=3 * sms),
+            "w8_bn128": dict(block_n=128, split_warps=8),
             "cw8": dict(combine_warps=8),
         }
-        for T, B, nr, bud in [(131072, 1, 2, 4096)]:
+        for T, B, nr, bud in [(131072, 1, 2, 4096), (131072, 1, 8, 4096)]:
             r = bench_config(T, B, nr, bud, bw, variants=variants, time_baselines=False)
             print("tune", json.dumps(r), flush=True)
             results["tune"].append(r)
@@ -322,7 +323,8 @@ def main():
     shares = [1, 2, 4]
     budgets = [1024, 2048, 4096]
     if args.quick:
-        grid = [(131072, 1, 2, 4096), (131072, 1, 1, 4096), (32768, 2, 2, 2048), (16384, 4, 4, 1024)]
+        grid = [(131072, 1, 2, 4096), (131072, 1, 1, 4096), (131072, 1, 8, 4096), (131072, 4, 1, 4096),
+                (32768, 2, 2, 2048), (16384, 4, 4, 1024)]
     else:
         grid = [(T, B, nr, bud) for T in ctxs for B in batches for nr in shares for bud in budgets]
     cache = {}

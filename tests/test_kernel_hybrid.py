@@ -104,6 +104,13 @@ def test_kernel_chunked_selection_path():
     check(*args, 0.125, 16, 16, 32, num_splits=6, nbr_max=16, block_n=32)
 
 
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_kernel_blse_by_masked_sums(block_n):
+    # the BLSE_SUMS=1 tuning variant (per-block masked row sums instead of a reshape) computes the same block scores
+    args = make_case(2, 2, 4, 64, 300, torch.bfloat16, 16, 4, 16, 32, [(0, 300), (45, 290)], [True, False], seed=13)
+    check(*args, 0.125, 16, 16, 32, num_splits=5, block_n=block_n, blse_sums=1)
+
+
 def test_kernel_no_sink_no_local_and_empty_row():
     args = make_case(2, 2, 2, 64, 128, torch.bfloat16, 16, 3, 0, 0, [(0, 128), (0, 0)], [True, False], seed=5)
     out, idx = check(*args, 0.125, 16, 0, 0, num_splits=3)

@@ -166,3 +166,33 @@ def test_lowering_end_to_end_gpu(G, D):
     args = _case(B=2, Hkv=4, G=G, D=D, T=5000, K=64, device="cuda")
     out, idx = torch.compile(_layer, backend="inductor", fullgraph=True)(*args)
     _check(out, idx, args)
+
+
+def _two_layers(q, k, v, valid, retr, idx):
+    o, i = torch.ops.lychee.hybrid_decode(q, k, v, valid, retr, idx, 0.125, 16, 16, 32)
+    o2, i2 = torch.ops.lychee.hybrid_decode(q, v, k, valid, retr, i, 0.125, 16, 16, 32)
+    return o + o2, i2
+
+
+def test_lowering_row_extent_once_per_mask(inductor_triton_on_cpu):
+    # layers that share one valid mask (the rewrite pass gives them one node) reduce it to row extents once per
+    # step: two layers launch exactly as many reduction kernels as one layer
+    from torch._inductor.utils import run_and_get_code
+    register()
+    args = _case()
+
+    def reductions(fn):
+        torch._dynamo.reset()
+        (out, idx), codes = run_and_get_code(torch.compile(fn, backend="inductor", fullgraph=True), *args)
+        call = "\n".join(codes).split("def call(")[-1]
+        return out, idx, [ln for ln in call.splitlines() if ".run(" in ln and ("triton_per_" in ln or "triton_red_" in ln)]
+
+    _, _, one = reductions(_layer)
+    out, idx, two = reductions(_two_layers)
+    assert len(one) >= 1 and len(two) == len(one), (one, two)
+    o1, i1 = torch.ops.lychee.hybrid_decode(*[a.cpu() for a in args], 0.125, 16, 16, 32)
+    a = [x.cpu() for x in args]
+    o2, i2 = torch.ops.lychee.hybrid_decode(a[0], a[2], a[1], a[3], a[4], i1, 0.125, 16, 16, 32)
+    ref = (o1 + o2).float()
+    assert ((out.float().cpu() - ref).norm() / ref.norm()).item() < 1.5e-2
+    assert torch.equal(idx.cpu(), i2)

@@ -28,7 +28,8 @@ from torch.utils._sympy.functions import CeilDiv  # noqa: E402
 
 __all__ = ["CHECKED_VERSIONS", "TORCH_VERSION", "inductor_config", "ir", "empty_strided", "fallback_handler",
            "lowerings", "register_lowering", "SymbolicGridFn", "TritonTemplate", "select_one", "V", "CeilDiv",
-           "size_hint", "static_int", "compile_fx", "realize", "to_dtype", "fixed_layout", "triton_device_ok", "sm_count"]
+           "size_hint", "static_int", "compile_fx", "realize", "to_dtype", "fixed_layout", "triton_device_ok", "sm_count",
+           "graph_memo"]
 
 
 def compile_fx(gm, example_inputs, cuda_graphs: bool):
@@ -83,3 +84,14 @@ def sm_count(device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+def graph_memo() -> dict:
+    """A dict that lives as long as the graph being lowered (V.graph): lets lowerings of one graph share IR they
+    would otherwise each rebuild (e.g. the row extents every layer computes from the same valid mask)."""
+    graph = V.graph
+    memo = getattr(graph, "_lychee_memo", None)
+    if memo is None:
+        memo = {}
+        graph._lychee_memo = memo
+    return memo

@@ -51,6 +51,18 @@ def supported(q, k) -> str | None:
     return None
 
 
+def _row_inputs(valid, T, device):
+    """(VALID as int8, [ROWLO, ROWHI, TVP]) for a valid mask, built once per graph: the rewrite pass gives every
+    layer the same valid node, so a 32-layer step reduces the mask once instead of 32 times."""
+    memo = compat.graph_memo()
+    hit = memo.get(("row_inputs", id(valid)))
+    if hit is not None and hit[0] is valid:
+        return hit[1]
+    res = (compat.realize(compat.to_dtype(valid, torch.int8)), _row_extent(valid, T, device))
+    memo[("row_inputs", id(valid))] = (valid, res)      # holds `valid`, so its id cannot be reused meanwhile
+    return res
+
+
 def _row_extent(valid, T, device):
     """ROWLO, ROWHI int32 [B] (first valid position, one past the last; (0, 0) for an empty row) and TVP int32 [1]
     (the longest row end) as Inductor IR: reductions over VALID once per layer instead of every kernel program
@@ -90,8 +102,7 @@ def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size,
     NB = compat.CeilDiv(T, int(block_size))
     f32, i32 = torch.float32, torch.int32
     q, k, v, idx_in = (compat.realize(x) for x in (q, k, v, idx_in))
-    ext = _row_extent(valid, T, device)                     # [ROWLO, ROWHI, TVP]
-    valid8 = compat.realize(compat.to_dtype(valid, torch.int8))
+    valid8, ext = _row_inputs(valid, T, device)             # int8 [B, T]; [ROWLO, ROWHI, TVP]
     retr8 = compat.realize(compat.to_dtype(retrieval, torch.int8))
     pm = compat.empty_strided([B * Hkv, num_splits, G], None, dtype=f32, device=device)
     pl = compat.empty_strided([B * Hkv, num_splits, G], None, dtype=f32, device=device)

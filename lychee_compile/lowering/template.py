@@ -8,9 +8,9 @@
 
 Two launches per layer:
   1. SPLIT  grid (NUM_SPLITS,): flash-decoding over a pooled work list. Every (row b, KV head h) is a segment of
-     BLOCK_N-token tiles: a retrieval head's segment is its whole cache [0, T) (tiles with no valid token cost only
-     the 1-byte valid reads, masked loads move no KV bytes); a sparse head's segment is its sink blocks, local blocks
-     and its K inherited blocks (gathered rows). Segment sizes depend on the runtime head kinds (`RETR`), so the
+     BLOCK_N-token tiles: a retrieval head's segment is [0, TV) of its cache, streamed contiguously (addresses from
+     the tile number; the row's range [lo, hi) masks it, so tiles outside it move no KV bytes); a sparse head's
+     segment is its sink blocks, local blocks and its K inherited blocks (gathered rows, VALID checked per token). Segment sizes depend on the runtime head kinds (`RETR`), so the
      pool and its cut into NUM_SPLITS equal slices are computed on the device by every program: no host sync, one
      compiled kernel for every layer and head map. A slice writes one partial (max, sum, acc) per segment it
      touches; retrieval tiles also write the log-sum-exp of each KV block per query head (for block scores).
@@ -45,6 +45,7 @@ GLOSSARY = '''
     # BS       tokens per KV block             BLOCK_N tokens per tile (multiple of BS)   NBT = BLOCK_N // BS
     # KSEL     index-state width K             KP     KSEL padded to a power of two
     # SINK, LOCAL   sink / local token counts;  S_MAX, L_MAX  most blocks they can touch (ceil(n / BS) + 1, or 0)
+    # BLSE_SUMS   0: block sums of a tile by reshape, 1: by NBT masked row sums (a tuning variant, same math)
     # NUM_SPLITS  programs of the split launch (fixed grid, from the SM count); a segment's partials use slots
     #             [0, splits touching it) of its NUM_SPLITS-wide row
     # Q     [B, HKV*G, 1, D]  q.dtype        K, V  [B, HKV, T, D]          VALID int8 [B, T]   RETR int8 [HKV]
@@ -127,71 +128,58 @@ SPLIT_SOURCE = '''
         b64 = b.to(tl.int64)
         h64 = h.to(tl.int64)
 
-        # sink / local blocks of this row (sparse heads only; valid is one contiguous range [lo, hi))
-        lo = tl.zeros([], tl.int32)
-        hi = tl.zeros([], tl.int32)
-        if retr_i == 0:
-            lo = tl.load(ROWLO + b)
-            hi = tl.load(ROWHI + b)
-        has = lo < hi
-        sb0 = lo // BS
-        sb1 = tl.where(has & (SINK > 0), (tl.minimum(lo + SINK, hi) - 1) // BS + 1, sb0)
-        lb0 = tl.maximum(hi - LOCAL, lo) // BS
-        lb1 = tl.where(has & (LOCAL > 0), (hi - 1) // BS + 1, lb0)
-        lb0e = tl.maximum(lb0, sb1)
-
+        # row b's valid positions are [lo, hi) (the kernels' precondition: one contiguous range per row)
+        lo = tl.load(ROWLO + b)
+        hi = tl.load(ROWHI + b)
         q = tl.load(Q + b64 * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                     mask=g_ok[:, None], other=0.0)
         k_base = K + b64 * stride_kb + h64 * stride_kh
         v_base = V + b64 * stride_vb + h64 * stride_vh
-        valid_base = VALID + b64 * stride_mb
-        idx_base = IDX + b64 * stride_ib + h64 * stride_ih
-        blse_base = BLSE + (seg.to(tl.int64) * G) * NB
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        # head kind as vectors (the interpreter rejects scalar-bool & vector-bool masks)
-        r_n = (offs_n * 0 + retr_i) != 0
-        r_g = (offs_g * 0 + retr_i) != 0
-        for lt in range(lt0, lt1):
-            n = lt * BLOCK_N + offs_n
-            vb = n // BS
-            j = vb - (S_MAX + L_MAX)
-            ib = tl.load(idx_base + j * stride_ik, mask=(~r_n) & (j >= 0) & (j < KSEL), other=-1)
-            in_sink = vb < S_MAX
-            in_local = (vb >= S_MAX) & (vb < S_MAX + L_MAX)
-            blk = tl.where(in_sink, sb0 + vb, tl.where(in_local, lb0e + (vb - S_MAX), ib))
-            ok_idx = (ib >= 0) & (ib < NB) & ((ib < sb0) | (ib >= sb1)) & ((ib < lb0) | (ib >= lb1))
-            ok_s = tl.where(in_sink, blk < sb1, tl.where(in_local, blk < lb1, ok_idx))
-            tok = tl.where(r_n, n, blk * BS + (n % BS))
-            ok = tl.where(r_n, n < T, ok_s & (tok < T))
-            vld = tl.load(valid_base + tok * stride_mt, mask=ok, other=0)
-            ok = ok & (vld != 0)
-            kt = tl.load(k_base + tok[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=ok[:, None], other=0.0)
-            if DOT_UPCAST:  # TRITON_INTERPRET=1: the interpreter's bf16 tl.dot is wrong (triton 3.9), use fp32
-                qk = tl.dot(q.to(tl.float32), tl.trans(kt).to(tl.float32), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(kt))
-            qk = qk * QK_SCALE_LOG2
-            qk = tl.where(ok[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vt = tl.load(v_base + tok[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=ok[:, None], other=0.0)
-            if DOT_UPCAST:
-                acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
-            # per-block log2-sum-exp2 for the retrieval head's block scores (tiles of a retrieval segment are aligned)
-            # (from p = exp2(qk - m_use): a block below 2^-126 of the running max underflows to -inf, as the
-            # reference's fp32 probabilities, normalised by the global max, underflow to 0)
-            blse = m_use[:, None] + tl.log2(tl.sum(tl.reshape(p, (GP, NBT, BS)), 2))
-            bidx = lt * NBT + tl.arange(0, NBT)
-            tl.store(blse_base + offs_g[:, None] * NB + bidx[None, :], blse,
-                     mask=(r_g & g_ok)[:, None] & (bidx[None, :] < NB))
+        if retr_i != 0:
+            # retrieval head: a contiguous stream of the row's tiles, addresses from the tile number alone (no
+            # index or VALID loads in the chain before the K/V loads, so the loads pipeline like flash-decoding)
+            blse_base = BLSE + (seg.to(tl.int64) * G) * NB
+            for lt in range(lt0, lt1):
+                n = lt * BLOCK_N + offs_n
+                ok = (n >= lo) & (n < hi)
+                kt = tl.load(k_base + n[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=ok[:, None],
+                             other=0.0)
+                vt = tl.load(v_base + n[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=ok[:, None],
+                             other=0.0)
+                m_i, l_i, acc, p, m_use = _lychee_tile(q, kt, vt, ok, m_i, l_i, acc, QK_SCALE_LOG2, DOT_UPCAST)
+                _lychee_store_block_lse(blse_base, p, m_use, lt, offs_g, g_ok, NB, GP, BS, NBT, BLSE_SUMS)
+        else:
+            # sparse head: sink blocks, local blocks, then its KSEL inherited blocks (gathered rows)
+            has = lo < hi
+            sb0 = lo // BS
+            sb1 = tl.where(has & (SINK > 0), (tl.minimum(lo + SINK, hi) - 1) // BS + 1, sb0)
+            lb0 = tl.maximum(hi - LOCAL, lo) // BS
+            lb1 = tl.where(has & (LOCAL > 0), (hi - 1) // BS + 1, lb0)
+            lb0e = tl.maximum(lb0, sb1)
+            valid_base = VALID + b64 * stride_mb
+            idx_base = IDX + b64 * stride_ib + h64 * stride_ih
+            for lt in range(lt0, lt1):
+                n = lt * BLOCK_N + offs_n
+                vb = n // BS
+                j = vb - (S_MAX + L_MAX)
+                ib = tl.load(idx_base + j * stride_ik, mask=(j >= 0) & (j < KSEL), other=-1)
+                in_sink = vb < S_MAX
+                in_local = (vb >= S_MAX) & (vb < S_MAX + L_MAX)
+                blk = tl.where(in_sink, sb0 + vb, tl.where(in_local, lb0e + (vb - S_MAX), ib))
+                ok_idx = (ib >= 0) & (ib < NB) & ((ib < sb0) | (ib >= sb1)) & ((ib < lb0) | (ib >= lb1))
+                ok = tl.where(in_sink, blk < sb1, tl.where(in_local, blk < lb1, ok_idx))
+                tok = blk * BS + (n % BS)
+                ok = ok & (tok < T)
+                vld = tl.load(valid_base + tok * stride_mt, mask=ok, other=0)
+                ok = ok & (vld != 0)
+                kt = tl.load(k_base + tok[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=ok[:, None],
+                             other=0.0)
+                vt = tl.load(v_base + tok[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=ok[:, None],
+                             other=0.0)
+                m_i, l_i, acc, p, m_use = _lychee_tile(q, kt, vt, ok, m_i, l_i, acc, QK_SCALE_LOG2, DOT_UPCAST)
         prow = seg * NUM_SPLITS + slot
         tl.store(PM + prow * G + offs_g, m_i, mask=g_ok)
         tl.store(PL + prow * G + offs_g, l_i, mask=g_ok)
@@ -202,6 +190,46 @@ SPLIT_SOURCE = '''
         amask = g_ok[:, None] & (offs_d[None, :] < D)
         {{store_output(("xs", "xt", "xg", "xd"), "acc", "amask", indent_width=8, val_shape=("GP", "D"))}}
         g_cur += lt1 - lt0
+
+
+@triton.jit
+def _lychee_tile(q, kt, vt, ok, m_i, l_i, acc, QK_SCALE_LOG2: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """One BLOCK_N tile of online softmax (log2 units): q [GP, D], kt/vt [BLOCK_N, D], ok bool [BLOCK_N].
+    Returns the updated (m_i, l_i, acc) and this tile's p = exp2(qk - m_use) [GP, BLOCK_N] with its m_use [GP]."""
+    if DOT_UPCAST:  # TRITON_INTERPRET=1: the interpreter's bf16 tl.dot is wrong (triton 3.9), use fp32
+        qk = tl.dot(q.to(tl.float32), tl.trans(kt).to(tl.float32), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(kt))
+    qk = tl.where(ok[None, :], qk * QK_SCALE_LOG2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+    return m_new, l_i, acc, p, m_use
+
+
+@triton.jit
+def _lychee_store_block_lse(blse_base, p, m_use, lt, offs_g, g_ok, NB, GP: tl.constexpr, BS: tl.constexpr,
+                            NBT: tl.constexpr, BLSE_SUMS: tl.constexpr):
+    """Per-block log2-sum-exp2 of one retrieval tile (its NBT blocks) into BLSE (block scores of the selection).
+    From p = exp2(qk - m_use): a block below 2^-126 of the running max underflows to -inf, as the reference's fp32
+    probabilities, normalised by the global max, underflow to 0. BLSE_SUMS=1 sums each block with a masked row
+    reduction instead of a reshape (no layout conversion; a tuning variant)."""
+    if BLSE_SUMS:
+        col = tl.arange(0, NBT * BS) // BS
+        for i in tl.static_range(NBT):
+            s_i = tl.sum(tl.where(col[None, :] == i, p, 0.0), 1)
+            bi = lt * NBT + i
+            tl.store(blse_base + offs_g * NB + bi, m_use + tl.log2(s_i), mask=g_ok & (offs_g * 0 + bi < NB))
+    else:
+        blse = m_use[:, None] + tl.log2(tl.sum(tl.reshape(p, (GP, NBT, BS)), 2))
+        bidx = lt * NBT + tl.arange(0, NBT)
+        tl.store(blse_base + offs_g[:, None] * NB + bidx[None, :], blse, mask=g_ok[:, None] & (bidx[None, :] < NB))
 ''' + '''
 
 ''' + KERNEL_HELPERS_SOURCE + ''''''
@@ -384,7 +412,8 @@ def _next_pow2(n: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink_tokens: int, local_tokens: int,
-                  scale: float, num_splits: int, nb_hint: int, block_n: int = 64, nbr_max: int = 16384):
+                  scale: float, num_splits: int, nb_hint: int, block_n: int = 64, nbr_max: int = 16384,
+                  blse_sums: int = 0):
     """Constexpr parameters shared by both kernels (a plain dict, hashable inputs only)."""
     bs = int(block_size)
     block_n = max(int(block_n), bs)
@@ -397,7 +426,8 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
         L_MAX=(-(-local_tokens // bs) + 1) if local_tokens > 0 else 0,
         NUM_SPLITS=num_splits,
     )
-    split = dict(common, QK_SCALE_LOG2=float(scale) * 1.4426950408889634, DOT_UPCAST=interpreting())
+    split = dict(common, QK_SCALE_LOG2=float(scale) * 1.4426950408889634, DOT_UPCAST=interpreting(),
+                 BLSE_SUMS=int(blse_sums))
     combine = dict(common, SC=64, NSP=_next_pow2(num_splits), KC=max(16, min(1024, _next_pow2(nb_hint))),
                    NBR=max(16, min(nbr_max, _next_pow2(nb_hint))))
     return split, combine
@@ -526,7 +556,7 @@ def _arg_values(args, tensors):
 
 def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, out=None,
                    idx_out=None, num_splits=None, block_n=64, nbr_max=16384, ws=None, split_warps=4,
-                   split_stages=3, combine_warps=16):
+                   split_stages=3, combine_warps=16, blse_sums=0):
     """Bind both kernels to fixed buffers: returns (split(), combine(), out, idx_out). Nothing is allocated per
     call, so the pair can be captured in a CUDA graph."""
     import torch
@@ -539,7 +569,7 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
     nb = -(-T // block_size)
     sp, cp = kernel_params(G=G, Hkv=Hkv, D=D, K_sel=K_sel, block_size=block_size, sink_tokens=sink_tokens,
                            local_tokens=local_tokens, scale=float(scale), num_splits=num_splits, nb_hint=nb,
-                           block_n=block_n, nbr_max=nbr_max)
+                           block_n=block_n, nbr_max=nbr_max, blse_sums=blse_sums)
     if ws is None:
         ws = workspace(B, Hkv, G, D, T, block_size, num_splits, q.device)
     out = torch.empty_like(q) if out is None else out

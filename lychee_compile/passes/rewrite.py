@@ -2,7 +2,9 @@
 baseline attention="flash_dense", one `lychee::dense_decode` op, which has no index state).
 
 Per site, inserted right before the original attention output (so after the KV-cache write of that layer):
-    valid = valid_from_<mask kind>(mask, q)                  # bool [B, T]
+    valid = valid_from_<mask kind>(mask, q)                  # bool [B, T]; ONE node shared by every site with
+                                                             # the same mask (the lowering then computes each row's
+                                                             # valid range once per step, not once per layer)
     kinds = kinds_slot(state.kinds, slot)                    # bool [Hkv], runtime data (ops/state.py)
     res   = lychee.hybrid_decode.default(q, K, V, valid, kinds, <idx_in>, scale, block, sink, local,
                                          policy, policy_param)
@@ -33,8 +35,9 @@ def rewrite_sites(ctx: PassContext) -> None:
     global_sites = [s for s in ctx.sites if s.kind == "global"]
     if global_sites and ctx.config.attention == "hybrid" and not _state_fits(ctx, len(global_sites)):
         return
+    shared_valid: dict = {}
     for slot, site in enumerate(global_sites):
-        _rewrite(ctx, site, slot)
+        _rewrite(ctx, site, slot, shared_valid)
         ctx.counters.sites_rewritten += 1
 
 
@@ -70,14 +73,27 @@ def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int):
                                args + (heat,) + tail + (float(cfg.heat_decay), cfg.heat_blocks))
 
 
-def _rewrite(ctx: PassContext, site: Site, slot: int) -> None:
+def _valid_key(site: Site) -> tuple:
+    """Sites whose valid [B, T] is provably the same value: the same mask node and kind (B is the graph's batch),
+    or, with no mask, the same cache length."""
+    if site.mask_kind == "none":
+        return ("none", str(site.kv_k.meta["example_value"].shape[2]))
+    return (site.mask_kind, site.mask)
+
+
+def _rewrite(ctx: PassContext, site: Site, slot: int, shared_valid: dict) -> None:
     graph = ctx.gm.graph
     dense = ctx.config.attention == "flash_dense"        # one output, no head kinds, no index state
     with graph.inserting_before(site.output):
-        if site.mask_kind == "none":
-            valid = graph.call_function(valid_everywhere, (site.q, site.kv_k))
-        else:
-            valid = graph.call_function(VALID_FROM[site.mask_kind], (site.mask, site.q))
+        key = _valid_key(site)
+        valid = shared_valid.get(key)
+        if valid is None:
+            if site.mask_kind == "none":
+                valid = graph.call_function(valid_everywhere, (site.q, site.kv_k))
+            else:
+                valid = graph.call_function(VALID_FROM[site.mask_kind], (site.mask, site.q))
+            valid.meta["nn_module_stack"] = site.output.meta.get("nn_module_stack", {})
+            shared_valid[key] = valid
         kinds = None if dense else graph.call_function(kinds_slot, (ctx.kinds_input, slot))
         op = _op_call(ctx, site, valid, kinds, slot)
         out = op if dense else graph.call_function(operator.getitem, (op, 0))
@@ -85,7 +101,7 @@ def _rewrite(ctx: PassContext, site: Site, slot: int) -> None:
             graph.call_function(operator.getitem, (op, 1))
         if ctx.heat_input is not None:
             site.heat_out = graph.call_function(operator.getitem, (op, 2))
-    for node in (valid, kinds, op, out):
+    for node in (kinds, op, out):
         if node is not None:
             node.meta["nn_module_stack"] = site.output.meta.get("nn_module_stack", {})
     op.meta["lychee_layer"] = site.layer_idx

@@ -3,7 +3,7 @@
 Only what the rewrite decides is printed -- the lychee ops with their inputs named by role, the index-state chain,
 and the attention left dense -- so a snapshot changes when our rewrite changes, not when Dynamo renames a node:
 
-    lychee graph v3: 3 lychee ops, dense attention left: sdpa=0 softmax=0
+    lychee graph v4: 3 lychee ops, 1 valid mask node, dense attention left: sdpa=0 softmax=0
     op 0 layer=0 q=[2,4,1,16] k=past_key_values.layers.0.keys v=past_key_values.layers.0.values
          valid=valid_from_bool_mask(attention_mask) kinds=kinds_slot(state.kinds, 0) idx_in=empty(K=4) scale=0.25 block=4 ...
 """
@@ -36,7 +36,9 @@ def graph_snapshot(gm: torch.fx.GraphModule) -> str:
     ops = [n for n in gm.graph.nodes if n.target in known]
     layer_of = {op: i for i, op in enumerate(ops)}
     dense = {name: sum(is_op(n, name) for n in gm.graph.nodes) for name in ("sdpa", "softmax")}
-    lines = [f"lychee graph v3: {len(ops)} lychee ops, dense attention left: "
+    n_valid = len({op.args[3] for op in ops})          # ops share one valid node per mask (rewrite pass)
+    lines = [f"lychee graph v4: {len(ops)} lychee ops, {n_valid} valid mask node{'s' * (n_valid != 1)}, "
+             "dense attention left: "
              + " ".join(f"{k}={v}" for k, v in dense.items())]
     for i, op in enumerate(ops):
         op_name, arg_names = known[op.target]
