@@ -301,18 +301,18 @@ def main():
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     sms = prop.multi_processor_count
     if args.tune:
+        no_reader = torch.zeros(HKV, dtype=torch.bool, device="cuda")
         variants = {
             "ours": {},
-            "blse_sums": dict(blse_sums=1),
-            "bn128": dict(block_n=128),
-            "bn128_blse_sums": dict(block_n=128, blse_sums=1),
-            "s3x": dict(num_splits=3 * sms),
-            "s1x": dict(num_splits=sms),
-            "st4": dict(split_stages=4),
-            "w8_bn128": dict(block_n=128, split_warps=8),
+            "cost1": dict(sparse_cost=1),
+            "cost3": dict(sparse_cost=3),
+            "nopack": dict(sel_pack=0),
             "cw8": dict(combine_warps=8),
+            "cw32": dict(combine_warps=32),
+            "cost2_s3x": dict(num_splits=3 * sms),
+            "noselect": dict(select=no_reader),     # no head's selection is read (e.g. the next layer all retrieval)
         }
-        for T, B, nr, bud in [(131072, 1, 2, 4096), (131072, 1, 8, 4096)]:
+        for T, B, nr, bud in [(131072, 1, 2, 4096), (131072, 1, 1, 4096), (131072, 1, 8, 4096), (131072, 4, 1, 4096)]:
             r = bench_config(T, B, nr, bud, bw, variants=variants, time_baselines=False)
             print("tune", json.dumps(r), flush=True)
             results["tune"].append(r)

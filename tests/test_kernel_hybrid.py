@@ -52,8 +52,10 @@ def check(q, k, v, valid, retrieval, idx_in, scale, block_size, sink, local, **k
     if q.device.type == "cpu" and not ON_CPU:
         pytest.skip("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1, set on machines without CUDA)")
     out, idx_out = hybrid_decode_triton(q, k, v, valid, retrieval, idx_in, scale, block_size, sink, local, **kw)
+    sel = kw.get("select")
     ref_out, ref_idx = hybrid_decode_reference(q.cpu(), k.cpu(), v.cpu(), valid.cpu(), retrieval.cpu(), idx_in.cpu(),
-                                               scale, block_size, sink, local)
+                                               scale, block_size, sink, local,
+                                               select=None if sel is None else sel.cpu())
     out, idx_out = out.cpu(), idx_out.cpu()
     assert torch.isfinite(out.float()).all()
     err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm().clamp_min(1e-12)).item()
@@ -109,6 +111,23 @@ def test_kernel_blse_by_masked_sums(block_n):
     # the BLSE_SUMS=1 tuning variant (per-block masked row sums instead of a reshape) computes the same block scores
     args = make_case(2, 2, 4, 64, 300, torch.bfloat16, 16, 4, 16, 32, [(0, 300), (45, 290)], [True, False], seed=13)
     check(*args, 0.125, 16, 16, 32, num_splits=5, block_n=block_n, blse_sums=1)
+
+
+@pytest.mark.parametrize("cost,splits", [(2, 5), (3, 7), (4, 64)])
+def test_kernel_sparse_tile_cost(cost, splits):
+    # weighting gathered tiles in the work pool moves the cut between splits, never the result
+    args = make_case(2, 3, 3, 64, 300, torch.float16, 16, 5, 16, 32, [(0, 300), (41, 280)], [False, True, False],
+                     seed=19)
+    check(*args, 0.125, 16, 16, 32, num_splits=splits, sparse_cost=cost)
+
+
+def test_kernel_unread_selection_is_skipped():
+    # a retrieval head whose selection nobody reads (select False) writes an EMPTY row; the others are unchanged
+    args = make_case(2, 3, 2, 64, 200, torch.bfloat16, 16, 4, 16, 32, [(0, 200), (30, 190)], [True, True, False],
+                     seed=17)
+    select = torch.tensor([False, True, True])
+    out, idx = check(*args, 0.125, 16, 16, 32, num_splits=4, select=select)
+    assert (idx[:, 0] == -1).all() and (idx[:, 1] >= 0).any()
 
 
 def test_kernel_no_sink_no_local_and_empty_row():

@@ -31,6 +31,25 @@ def test_opcheck(retrieval, dtype):
     torch.library.opcheck(OP, (q, k, v, valid, torch.tensor(retrieval), idx, 0.25, 4, 4, 4))
 
 
+def test_opcheck_with_select():
+    q, k, v, valid, idx = inputs(dtype=torch.bfloat16)
+    idx[:, :, 0] = 2
+    torch.library.opcheck(OP, (q, k, v, valid, torch.tensor([True, False]), idx, 0.25, 4, 4, 4, 0, 0.0, 0, 0,
+                               torch.tensor([False, True])))
+
+
+def test_select_empties_only_unread_retrieval_rows():
+    # `select` changes nothing but the index rows of retrieval heads outside it (EMPTY): outputs are identical
+    q, k, v, valid, idx = inputs(hkv=3)
+    idx[:, :, 0] = 2
+    retr = torch.tensor([True, True, False])
+    out, full = OP(q, k, v, valid, retr, idx, 0.25, 4, 4, 4)
+    out2, part = OP(q, k, v, valid, retr, idx, 0.25, 4, 4, 4, 0, 0.0, 0, 0, torch.tensor([False, True, True]))
+    assert torch.equal(out, out2)
+    assert (part[:, 0] == EMPTY).all() and (full[:, 0] != EMPTY).any()
+    assert torch.equal(part[:, 1:], full[:, 1:])
+
+
 def test_all_retrieval_is_dense_sdpa():
     q, k, v, valid, idx = inputs()
     out, _ = OP(q, k, v, valid, torch.tensor([True, True]), idx, 0.25, 4, 4, 4)

@@ -81,16 +81,17 @@ def _int32(value: int, device):
 
 
 def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
-                           policy=0, policy_param=0.0, quest_mode=0, quest_blocks=0):
+                           policy=0, policy_param=0.0, quest_mode=0, quest_blocks=0, select=None):
     # The templates implement the default top-K policy without Quest bounds; the rest runs the reference (extern).
     if supported(q, k) is not None or policy != 0 or quest_mode != 0:
         return _fallback(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
-                         policy, policy_param, quest_mode, quest_blocks)
+                         policy, policy_param, quest_mode, quest_blocks, select)
     B, Hq, _, D = q.get_size()
     T = k.get_size()[2]
     Hq, Hkv, D, K_sel = (compat.static_int(x) for x in (Hq, k.get_size()[1], D, idx_in.get_size()[2]))
     if D < 16 or D & (D - 1) or Hq % Hkv:
-        return _fallback(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens)
+        return _fallback(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
+                         policy, policy_param, quest_mode, quest_blocks, select)
     G = Hq // Hkv
     device = q.get_device()
     num_splits = 2 * compat.sm_count(device)
@@ -104,6 +105,7 @@ def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size,
     q, k, v, idx_in = (compat.realize(x) for x in (q, k, v, idx_in))
     valid8, ext = _row_inputs(valid, T, device)             # int8 [B, T]; [ROWLO, ROWHI, TVP]
     retr8 = compat.realize(compat.to_dtype(retrieval, torch.int8))
+    sel8 = retr8 if select is None else compat.realize(compat.to_dtype(select, torch.int8))   # SEL [Hkv]
     pm = compat.empty_strided([B * Hkv, num_splits, G], None, dtype=f32, device=device)
     pl = compat.empty_strided([B * Hkv, num_splits, G], None, dtype=f32, device=device)
     blse = compat.empty_strided([B, Hkv, G, NB], None, dtype=f32, device=device)
@@ -113,7 +115,7 @@ def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size,
     split_t, combine_t = templates()
 
     acc_layout = compat.fixed_layout(device, f32, [B * Hkv, num_splits, G, D])
-    split_inputs = [q, k, v, valid8, *ext, retr8, idx_in, pm, pl, blse, cnt]
+    split_inputs = [q, k, v, *ext, retr8, idx_in, pm, pl, blse, cnt]
     choices = []
     err = split_t.maybe_append_choice(choices, input_nodes=split_inputs, layout=acc_layout,
                                       mutated_inputs=[pm, pl, blse, cnt], call_sizes=[B], num_stages=3,
@@ -123,7 +125,7 @@ def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size,
     pacc = compat.select_one("lychee_hybrid_split", choices, split_inputs, acc_layout)
 
     out_layout = compat.fixed_layout(device, q.get_dtype(), [B, Hq, 1, D])
-    combine_inputs = [pacc, pm, pl, blse, valid8, *ext, retr8, idx_in, idx_out, keys, cnt]
+    combine_inputs = [pacc, pm, pl, blse, valid8, *ext, retr8, sel8, idx_in, idx_out, keys, cnt]
     choices = []
     err = combine_t.maybe_append_choice(choices, input_nodes=combine_inputs, layout=out_layout,
                                         mutated_inputs=[idx_out, keys, cnt], call_sizes=[B, T], num_stages=1,

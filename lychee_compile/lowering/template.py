@@ -10,7 +10,7 @@ Two launches per layer:
   1. SPLIT  grid (NUM_SPLITS,): flash-decoding over a pooled work list. Every (row b, KV head h) is a segment of
      BLOCK_N-token tiles: a retrieval head's segment is [0, TV) of its cache, streamed contiguously (addresses from
      the tile number; the row's range [lo, hi) masks it, so tiles outside it move no KV bytes); a sparse head's
-     segment is its sink blocks, local blocks and its K inherited blocks (gathered rows, VALID checked per token). Segment sizes depend on the runtime head kinds (`RETR`), so the
+     segment is its sink blocks, local blocks and its K inherited blocks (gathered rows, masked to [lo, hi)). Segment sizes depend on the runtime head kinds (`RETR`), so the
      pool and its cut into NUM_SPLITS equal slices are computed on the device by every program: no host sync, one
      compiled kernel for every layer and head map. A slice writes one partial (max, sum, acc) per segment it
      touches; retrieval tiles also write the log-sum-exp of each KV block per query head (for block scores).
@@ -45,10 +45,13 @@ GLOSSARY = '''
     # BS       tokens per KV block             BLOCK_N tokens per tile (multiple of BS)   NBT = BLOCK_N // BS
     # KSEL     index-state width K             KP     KSEL padded to a power of two
     # SINK, LOCAL   sink / local token counts;  S_MAX, L_MAX  most blocks they can touch (ceil(n / BS) + 1, or 0)
+    # SPARSE_COST work units per gathered tile in the pool (a streamed retrieval tile is 1 unit; 2 measured best
+    #             on the H100: BENCHMARKS.md)       SEL_PACK  1: the selection's counting passes pack 3 counts in int64
     # BLSE_SUMS   0: block sums of a tile by reshape, 1: by NBT masked row sums (a tuning variant, same math)
     # NUM_SPLITS  programs of the split launch (fixed grid, from the SM count); a segment's partials use slots
     #             [0, splits touching it) of its NUM_SPLITS-wide row
     # Q     [B, HKV*G, 1, D]  q.dtype        K, V  [B, HKV, T, D]          VALID int8 [B, T]   RETR int8 [HKV]
+    # SEL   int8 [HKV]  retrieval heads whose selection is read downstream (others write an EMPTY row, no top-k)
     # ROWLO, ROWHI  int32 [B]  row b's valid positions are [lo, hi) ((0, 0) if none)
     # TVP   int32 [1]  TV = max_b hi: retrieval work and selection cover blocks below TV only
     # IDX   int32 [B, HKV, KSEL]  index state in (EMPTY = -1)         IDXO int32 [B, HKV, KSEL] index state out
@@ -64,18 +67,21 @@ GLOSSARY = '''
 
 # Helpers both kernels' modules need; one text serves both templates. The split and combine launches MUST agree on
 # the work pool (which split wrote which partial slot), so both build it with _lychee_work_pool. Row extents come in
-# precomputed (ROWLO/ROWHI/TVP, one Inductor reduction over VALID per layer): scanning VALID inside every program cost
+# precomputed (ROWLO/ROWHI/TVP, Inductor reductions over VALID once per graph): scanning VALID inside every program cost
 # ~0.15 ms per layer at 4K valid tokens in a 128K cache on the H100.
 KERNEL_HELPERS_SOURCE = '''
 @triton.jit
-def _lychee_work_pool(RETR, TVP, NTS, HKV: tl.constexpr, HKV_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Per KV head h (padded to HKV_P): rflag (retrieval?), ntile (BLOCK_N tiles of its segment: [0, TV) for a
-    retrieval head, NTS for a sparse one), cum_incl (inclusive prefix sum of ntile); R = tiles of one row; TV = the
-    largest row end (TVP[0]): work follows the valid length, not the cache capacity T."""
+def _lychee_work_pool(RETR, TVP, NTS, HKV: tl.constexpr, HKV_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SPARSE_COST: tl.constexpr):
+    """Per KV head h (padded to HKV_P): rflag (retrieval?), ntile (work units of its segment: one per BLOCK_N tile
+    of [0, TV) for a retrieval head, SPARSE_COST per tile for the NTS gathered tiles of a sparse one), cum_incl
+    (inclusive prefix sum of ntile); R = units of one row; TV = the largest row end (TVP[0]): work follows the valid
+    length, not the cache capacity T. A gathered tile costs more than a streamed one (scattered rows, an index
+    load ahead of its K/V loads); weighting it keeps the equal cut into splits balanced in time."""
     TV = tl.load(TVP)       # precomputed: a loop over rows here stopped the K/V loads' pipelining (sm_90 PTX)
     hh = tl.arange(0, HKV_P)
     rflag = tl.load(RETR + hh, mask=hh < HKV, other=0).to(tl.int32)
-    ntile = tl.where(hh < HKV, tl.where(rflag != 0, (TV + BLOCK_N - 1) // BLOCK_N, NTS), 0)
+    ntile = tl.where(hh < HKV, tl.where(rflag != 0, (TV + BLOCK_N - 1) // BLOCK_N, NTS * SPARSE_COST), 0)
     cum_incl = tl.cumsum(ntile, 0)
     return hh, rflag, ntile, cum_incl, tl.sum(ntile, 0), TV
 
@@ -88,21 +94,20 @@ def _lychee_segment(h, hh, rflag, ntile, cum_incl):
 '''
 
 SPLIT_SOURCE = '''
-{{def_kernel("Q", "K", "V", "VALID", "ROWLO", "ROWHI", "TVP", "RETR", "IDX", "PM", "PL", "BLSE", "CNT")}}
+{{def_kernel("Q", "K", "V", "ROWLO", "ROWHI", "TVP", "RETR", "IDX", "PM", "PL", "BLSE", "CNT")}}
 ''' + GLOSSARY + '''
     B = {{size("Q", 0)}}
     T = {{size("K", 2)}}
     stride_qb, stride_qh, stride_qm, stride_qd = {{stride("Q")}}
     stride_kb, stride_kh, stride_kt, stride_kd = {{stride("K")}}
     stride_vb, stride_vh, stride_vt, stride_vd = {{stride("V")}}
-    stride_mb, stride_mt = {{stride("VALID")}}
     stride_ib, stride_ih, stride_ik = {{stride("IDX")}}
     NB = (T + BS - 1) // BS
     NBT: tl.constexpr = BLOCK_N // BS
     NTS: tl.constexpr = ((S_MAX + L_MAX + KSEL) * BS + BLOCK_N - 1) // BLOCK_N
 
     # work pool: tiles per segment from the runtime head kinds, prefix sums over heads, equal cut into slices
-    hh, rflag, ntile, cum_incl, R, TV = _lychee_work_pool(RETR, TVP, NTS, HKV, HKV_P, BLOCK_N)
+    hh, rflag, ntile, cum_incl, R, TV = _lychee_work_pool(RETR, TVP, NTS, HKV, HKV_P, BLOCK_N, SPARSE_COST)
     W = B * R
     s = tl.program_id(0)
     g_cur = (s * W) // NUM_SPLITS
@@ -159,9 +164,10 @@ SPLIT_SOURCE = '''
             lb0 = tl.maximum(hi - LOCAL, lo) // BS
             lb1 = tl.where(has & (LOCAL > 0), (hi - 1) // BS + 1, lb0)
             lb0e = tl.maximum(lb0, sb1)
-            valid_base = VALID + b64 * stride_mb
             idx_base = IDX + b64 * stride_ib + h64 * stride_ih
-            for lt in range(lt0, lt1):
+            # units [lt0, lt1) of the segment -> the tiles whose first unit lies in them (an empty range still
+            # writes its (empty) partial, which the combine merges as nothing)
+            for lt in range((lt0 + SPARSE_COST - 1) // SPARSE_COST, (lt1 + SPARSE_COST - 1) // SPARSE_COST):
                 n = lt * BLOCK_N + offs_n
                 vb = n // BS
                 j = vb - (S_MAX + L_MAX)
@@ -172,9 +178,7 @@ SPLIT_SOURCE = '''
                 ok_idx = (ib >= 0) & (ib < NB) & ((ib < sb0) | (ib >= sb1)) & ((ib < lb0) | (ib >= lb1))
                 ok = tl.where(in_sink, blk < sb1, tl.where(in_local, blk < lb1, ok_idx))
                 tok = blk * BS + (n % BS)
-                ok = ok & (tok < T)
-                vld = tl.load(valid_base + tok * stride_mt, mask=ok, other=0)
-                ok = ok & (vld != 0)
+                ok = ok & (tok >= lo) & (tok < hi)      # the row's valid range (no VALID load in the chain)
                 kt = tl.load(k_base + tok[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=ok[:, None],
                              other=0.0)
                 vt = tl.load(v_base + tok[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=ok[:, None],
@@ -235,7 +239,7 @@ def _lychee_store_block_lse(blse_base, p, m_use, lt, offs_g, g_ok, NB, GP: tl.co
 ''' + KERNEL_HELPERS_SOURCE + ''''''
 
 COMBINE_SOURCE = '''
-{{def_kernel("PACC", "PM", "PL", "BLSE", "VALID", "ROWLO", "ROWHI", "TVP", "RETR", "IDX", "IDXO", "KEYS", "CNT")}}
+{{def_kernel("PACC", "PM", "PL", "BLSE", "VALID", "ROWLO", "ROWHI", "TVP", "RETR", "SEL", "IDX", "IDXO", "KEYS", "CNT")}}
 ''' + GLOSSARY + '''
     # grid (B * HKV, G + NKC): program (seg, j < G) merges query head j of the segment's partials into OUT;
     # program (seg, G + c) of a retrieval head turns blocks [c*KC, (c+1)*KC) into selection keys, and the last of
@@ -250,7 +254,7 @@ COMBINE_SOURCE = '''
     NKC = (NB + KC - 1) // KC
     NTS: tl.constexpr = ((S_MAX + L_MAX + KSEL) * BS + BLOCK_N - 1) // BLOCK_N
     # the same work pool as the split launch (one helper, so the two can never disagree on who wrote which slot)
-    hh, rflag, ntile, cum_incl, R, TV = _lychee_work_pool(RETR, TVP, NTS, HKV, HKV_P, BLOCK_N)
+    hh, rflag, ntile, cum_incl, R, TV = _lychee_work_pool(RETR, TVP, NTS, HKV, HKV_P, BLOCK_N, SPARSE_COST)
     W = B * R
 
     pid = tl.program_id(0)
@@ -299,9 +303,11 @@ COMBINE_SOURCE = '''
         c_key = j - G
         out_base = IDXO + b64 * stride_ob + h64 * stride_oh
         slots = tl.arange(0, KP)
-        if retr_i == 0:
-            if c_key == 0:
-                row = tl.load(IDX + b64 * stride_ib + h64 * stride_ih + slots * stride_ik, mask=slots < KSEL, other=-1)
+        sel_i = tl.load(SEL + h).to(tl.int32)
+        if retr_i == 0 or sel_i == 0:
+            if c_key == 0:  # sparse head: its index row passes through; unread retrieval head: EMPTY
+                row = tl.load(IDX + b64 * stride_ib + h64 * stride_ih + slots * stride_ik,
+                              mask=(slots < KSEL) & (slots * 0 + retr_i == 0), other=-1)
                 tl.store(out_base + slots * stride_ok, row, mask=slots < KSEL)
         else:
             # global log2-sum-exp2 of each query head of the segment, from the per-slot partials
@@ -337,11 +343,12 @@ COMBINE_SOURCE = '''
             ticket = tl.atomic_add(CNT + seg, 1)
             if ticket == NKC - 1:
                 tl.store(CNT + seg, 0)
-                _lychee_select(key_base, NBV, out_base, stride_ok, KSEL, KP, NBR)
+                _lychee_select(key_base, NBV, out_base, stride_ok, KSEL, KP, NBR, SEL_PACK)
 ''' + '''
 
 @triton.jit
-def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, KSEL: tl.constexpr, KP: tl.constexpr, NBR: tl.constexpr):
+def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, KSEL: tl.constexpr, KP: tl.constexpr, NBR: tl.constexpr,
+                   SEL_PACK: tl.constexpr):
     # Top-KSEL of the int32 keys of one row (larger first, ties to the lower block; -1 = not a candidate), written
     # ascending and EMPTY-padded. Exact: 31 counting passes (one per key bit, high to low) find the KSEL-th largest
     # key thr; then keys > thr and the first (KSEL - #greater) keys == thr in block order are taken. A row of up to
@@ -352,13 +359,21 @@ def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, KSEL: tl.constexpr, KP: tl.c
     if NB <= NBR:
         keys = tl.load(KEYS_ROW + offs, mask=offs < NB, other=-1, cache_modifier=".cg")
         ncand = tl.sum((keys >= 0).to(tl.int32), 0)
-        # two bits per pass (three independent counts), bits 30..1, then bit 0
+        # two bits per pass (three independent counts), bits 30..1, then bit 0. SEL_PACK: the three counts
+        # (each <= NBR <= 2^14) packed into one int64 sum -- one block-wide reduction per pass instead of three
         for i in range(15):
             sh = 29 - 2 * i
             one = tl.full([], 1, tl.int32) << sh
-            c1 = tl.sum((keys >= (thr | one)).to(tl.int32), 0)
-            c2 = tl.sum((keys >= (thr | (one * 2))).to(tl.int32), 0)
-            c3 = tl.sum((keys >= (thr | (one * 3))).to(tl.int32), 0)
+            if SEL_PACK:
+                tot = tl.sum((keys >= (thr | one)).to(tl.int64) + ((keys >= (thr | (one * 2))).to(tl.int64) << 21)
+                             + ((keys >= (thr | (one * 3))).to(tl.int64) << 42), 0)
+                c1 = (tot & 0x1FFFFF).to(tl.int32)
+                c2 = ((tot >> 21) & 0x1FFFFF).to(tl.int32)
+                c3 = (tot >> 42).to(tl.int32)
+            else:
+                c1 = tl.sum((keys >= (thr | one)).to(tl.int32), 0)
+                c2 = tl.sum((keys >= (thr | (one * 2))).to(tl.int32), 0)
+                c3 = tl.sum((keys >= (thr | (one * 3))).to(tl.int32), 0)
             d = (c1 >= KSEL).to(tl.int32) + (c2 >= KSEL).to(tl.int32) + (c3 >= KSEL).to(tl.int32)
             thr = thr | (d << sh)
         c0 = tl.sum((keys >= (thr | 1)).to(tl.int32), 0)
@@ -413,7 +428,7 @@ def _next_pow2(n: int) -> int:
 @functools.lru_cache(maxsize=None)
 def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink_tokens: int, local_tokens: int,
                   scale: float, num_splits: int, nb_hint: int, block_n: int = 64, nbr_max: int = 16384,
-                  blse_sums: int = 0):
+                  blse_sums: int = 0, sparse_cost: int = 2, sel_pack: int = 1):
     """Constexpr parameters shared by both kernels (a plain dict, hashable inputs only)."""
     bs = int(block_size)
     block_n = max(int(block_n), bs)
@@ -424,11 +439,11 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
         KSEL=K_sel, KP=_next_pow2(max(K_sel, 1)), SINK=sink_tokens, LOCAL=local_tokens,
         S_MAX=(-(-sink_tokens // bs) + 1) if sink_tokens > 0 else 0,
         L_MAX=(-(-local_tokens // bs) + 1) if local_tokens > 0 else 0,
-        NUM_SPLITS=num_splits,
+        NUM_SPLITS=num_splits, SPARSE_COST=int(sparse_cost),
     )
     split = dict(common, QK_SCALE_LOG2=float(scale) * 1.4426950408889634, DOT_UPCAST=interpreting(),
                  BLSE_SUMS=int(blse_sums))
-    combine = dict(common, SC=64, NSP=_next_pow2(num_splits), KC=max(16, min(1024, _next_pow2(nb_hint))),
+    combine = dict(common, SEL_PACK=int(sel_pack), SC=64, NSP=_next_pow2(num_splits), KC=max(16, min(1024, _next_pow2(nb_hint))),
                    NBR=max(16, min(nbr_max, _next_pow2(nb_hint))))
     return split, combine
 
@@ -437,9 +452,9 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
 # Standalone rendering: the same Jinja text as a plain @triton.jit kernel with explicit size / stride arguments.
 # ---------------------------------------------------------------------------------------------------------------
 
-SPLIT_TENSORS = {"Q": 4, "K": 4, "V": 4, "VALID": 2, "ROWLO": 1, "ROWHI": 1, "TVP": 1, "RETR": 1, "IDX": 3, "PM": 3, "PL": 3, "BLSE": 4, "CNT": 1}
+SPLIT_TENSORS = {"Q": 4, "K": 4, "V": 4, "ROWLO": 1, "ROWHI": 1, "TVP": 1, "RETR": 1, "IDX": 3, "PM": 3, "PL": 3, "BLSE": 4, "CNT": 1}
 SPLIT_OUT = ("PACC", 4)
-COMBINE_TENSORS = {"PACC": 4, "PM": 3, "PL": 3, "BLSE": 4, "VALID": 2, "ROWLO": 1, "ROWHI": 1, "TVP": 1, "RETR": 1, "IDX": 3, "IDXO": 3, "KEYS": 3, "CNT": 1}
+COMBINE_TENSORS = {"PACC": 4, "PM": 3, "PL": 3, "BLSE": 4, "VALID": 2, "ROWLO": 1, "ROWHI": 1, "TVP": 1, "RETR": 1, "SEL": 1, "IDX": 3, "IDXO": 3, "KEYS": 3, "CNT": 1}
 COMBINE_OUT = ("OUT", 4)
 
 
@@ -556,7 +571,7 @@ def _arg_values(args, tensors):
 
 def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, out=None,
                    idx_out=None, num_splits=None, block_n=64, nbr_max=16384, ws=None, split_warps=4,
-                   split_stages=3, combine_warps=16, blse_sums=0):
+                   split_stages=3, combine_warps=16, blse_sums=0, sparse_cost=2, sel_pack=1, select=None):
     """Bind both kernels to fixed buffers: returns (split(), combine(), out, idx_out). Nothing is allocated per
     call, so the pair can be captured in a CUDA graph."""
     import torch
@@ -569,7 +584,8 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
     nb = -(-T // block_size)
     sp, cp = kernel_params(G=G, Hkv=Hkv, D=D, K_sel=K_sel, block_size=block_size, sink_tokens=sink_tokens,
                            local_tokens=local_tokens, scale=float(scale), num_splits=num_splits, nb_hint=nb,
-                           block_n=block_n, nbr_max=nbr_max, blse_sums=blse_sums)
+                           block_n=block_n, nbr_max=nbr_max, blse_sums=blse_sums, sparse_cost=sparse_cost,
+                           sel_pack=sel_pack)
     if ws is None:
         ws = workspace(B, Hkv, G, D, T, block_size, num_splits, q.device)
     out = torch.empty_like(q) if out is None else out
@@ -577,11 +593,12 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
     valid8 = valid.to(torch.int8)
     ext = row_extent(valid)
     retr8 = retrieval.to(torch.int8)
+    sel8 = retr8 if select is None else select.to(torch.int8)
     ks, kargs, _ = render_standalone("split", sp)
     kc, cargs, _ = render_standalone("combine", cp)
-    v1 = _arg_values(kargs, dict(Q=q, K=k, V=v, VALID=valid8, **ext, RETR=retr8, IDX=idx_in, **ws))
+    v1 = _arg_values(kargs, dict(Q=q, K=k, V=v, **ext, RETR=retr8, IDX=idx_in, **ws))
     v2 = _arg_values(cargs, dict(PACC=ws["PACC"], PM=ws["PM"], PL=ws["PL"], BLSE=ws["BLSE"], VALID=valid8,
-                                 **ext, RETR=retr8, IDX=idx_in, IDXO=idx_out, KEYS=ws["KEYS"], CNT=ws["CNT"], OUT=out))
+                                 **ext, RETR=retr8, SEL=sel8, IDX=idx_in, IDXO=idx_out, KEYS=ws["KEYS"], CNT=ws["CNT"], OUT=out))
     combine_grid = (B * Hkv, G + -(-nb // cp["KC"]))
 
     def split():
@@ -623,7 +640,7 @@ def cross_compile(kind: str, constexprs: dict, dtype: str = "bf16", num_warps: i
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     fn, args, _ = render_standalone(kind, dict(constexprs, DOT_UPCAST=False) if kind == "split" else constexprs)
-    ptr_types = {"Q": dtype, "K": dtype, "V": dtype, "VALID": "i8", "ROWLO": "i32", "ROWHI": "i32", "TVP": "i32", "RETR": "i8", "IDX": "i32", "IDXO": "i32",
+    ptr_types = {"Q": dtype, "K": dtype, "V": dtype, "VALID": "i8", "ROWLO": "i32", "ROWHI": "i32", "TVP": "i32", "RETR": "i8", "SEL": "i8", "IDX": "i32", "IDXO": "i32",
                  "KEYS": "i32", "CNT": "i32", "PM": "fp32", "PL": "fp32", "BLSE": "fp32", "PACC": "fp32", "OUT": dtype}
     signature, consts, attrs = {}, {}, {}
     rank = dict(SPLIT_TENSORS if kind == "split" else COMBINE_TENSORS)

@@ -1,7 +1,11 @@
 """The op contract: `torch.ops.lychee.hybrid_decode`, one decode step of hybrid attention for one global layer.
 
     hybrid_decode(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
-                  policy=0, policy_param=0.0, quest_mode=0, quest_blocks=0) -> (out, idx_out)
+                  policy=0, policy_param=0.0, quest_mode=0, quest_blocks=0, select=None) -> (out, idx_out)
+
+`select` bool [Hkv] (optional; None = every head): the retrieval heads whose selection someone reads (the
+thread_state pass passes the heads that are sparse in the next global layer). A retrieval head outside it skips the
+top-k and outputs an EMPTY row -- its selection would be dead, and it is ~1/8 of a retrieval head's layer time.
 
 Shapes and dtypes are documented in reference.py (the math) and index_state.py (idx_in / idx_out). The op is
 functional (mutates nothing), so FX passes may move it like any pure node and Inductor may lower it. Its CPU/CUDA
@@ -22,14 +26,16 @@ OP_NAME = "lychee::hybrid_decode"
 def hybrid_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
                   retrieval: torch.Tensor, idx_in: torch.Tensor, scale: float, block_size: int,
                   sink_tokens: int, local_tokens: int, policy: int = 0, policy_param: float = 0.0,
-                  quest_mode: int = 0, quest_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  quest_mode: int = 0, quest_blocks: int = 0,
+                  select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
-                                   policy, policy_param, quest_mode=quest_mode, quest_blocks=quest_blocks)
+                                   policy, policy_param, quest_mode=quest_mode, quest_blocks=quest_blocks,
+                                   select=select)
 
 
 @hybrid_decode.register_fake
 def _(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, policy=0, policy_param=0.0,
-      quest_mode=0, quest_blocks=0):
+      quest_mode=0, quest_blocks=0, select=None):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "q, k, v must be 4-D [B, H, T, D]")
     torch._check(q.shape[2] == 1, lambda: "hybrid_decode takes query length 1")
     torch._check(q.shape[1] % k.shape[1] == 0, lambda: "query heads must be a multiple of KV heads")

@@ -9,12 +9,14 @@ Names and shapes (one global layer, decode step, query length 1):
     out      [B, Hq, 1, D]   attention output, q.dtype
     idx_out  int32 [B, Hkv, K]
     policy, policy_param   how many ranked blocks a retrieval head keeps (policies.py; default top-K)
+    select   bool [Hkv] or None   retrieval heads whose selection is read downstream; the others output EMPTY rows
 All scores and probabilities are fp32.
 """
 from __future__ import annotations
 
 import torch
 
+from .index_state import EMPTY
 from .quest import QUEST_MODES, block_min_max, quest_bound
 from .policies import POLICIES, ranked_selection, select_top_blocks  # noqa: F401  (select_top_blocks: training)
 
@@ -62,7 +64,7 @@ def blocks_of_index(idx: torch.Tensor, num_blocks: int) -> torch.Tensor:
 def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, block_size: int,
                             sink_tokens: int, local_tokens: int, policy: int = POLICIES["topk"],
                             policy_param: float = 0.0, heat=None, heat_decay: float = 0.0, heat_blocks: int = 0,
-                            quest_mode: int = 0, quest_blocks: int = 0):
+                            quest_mode: int = 0, quest_blocks: int = 0, select=None):
     """-> (out, idx_out) or, with `heat` fp32 [B, Hkv, NBH >= nb] given, (out, idx_out, heat_out); see heat.py."""
     B, Hq, L, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
@@ -108,6 +110,8 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
     attend = torch.where(is_retrieval, valid[:, None, :], sparse_tok)                              # [B,Hkv,T]
     p = torch.where(is_retrieval[..., None], p_full, masked_softmax(scores, attend[:, :, None, :]))
     out = torch.einsum("bhgt,bhtd->bhgd", p, v.float()).reshape(B, Hq, 1, D).to(q.dtype)
+    if select is not None:   # a retrieval head nobody reads from selects nothing (kernels skip the top-k)
+        selected = torch.where(select.to(torch.bool)[None, :, None], selected, torch.full_like(selected, EMPTY))
     idx_out = torch.where(is_retrieval, selected, idx_in)
     if heat is None:
         return out, idx_out

@@ -21,7 +21,7 @@ from .graph_query import is_op, shape
 
 _ARG_NAMES = ("q", "k", "v", "valid", "kinds", "idx_in", "scale", "block", "sink", "local", "policy", "param")
 _HEAT_ARG_NAMES = _ARG_NAMES[:6] + ("heat",) + _ARG_NAMES[6:] + ("decay", "heat_blocks")
-_ARG_NAMES = _ARG_NAMES + ("quest", "quest_blocks")
+_ARG_NAMES = _ARG_NAMES + ("quest", "quest_blocks", "select")
 
 
 def _lychee_ops() -> dict:
@@ -62,6 +62,9 @@ def _render(a, layer_of) -> str:
             return f"drop_inherited({_render(a.args[0], layer_of)}, streaming={rows})"
         if name in ("heat_slot", "kinds_slot"):
             return f"{name}({_render(a.args[0], layer_of)}, {a.args[1]})"
+        if name == "selection_readers":
+            streaming = ",".join("T" if r else "-" for r in a.args[2])
+            return f"{name}({_render(a.args[0], layer_of)}, {a.args[1]}" + (f", streaming={streaming})" if any(a.args[2]) else ")")
         if name == "empty_index_state_like":
             return f"empty(K={a.args[1]})"
         inner = ",".join(_render(x, layer_of) for x in a.args if isinstance(x, torch.fx.Node) and x.op == "placeholder")

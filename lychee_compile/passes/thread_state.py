@@ -4,6 +4,10 @@ A streaming head (HeadMap.streaming) attends sink + local only: its inherited ro
 in (drop_inherited), so as a sparse head it attends nothing else and passes EMPTY on.
 The first global layer's op gets a fresh EMPTY state (all its heads are retrieval heads, so it is read by no one);
 op l+1 reads op l's idx_out. The last idx_out is unused: no state lives across decode steps in the spine.
+Liveness: op l's `select` input = the heads that are sparse (neither retrieval nor streaming) in layer l+1 -- the
+only readers of a selection, since a sparse head passes its row on unchanged and a retrieval head makes its own.
+It is computed from the kinds state at run time (selection_readers), so set_head_map() keeps it right; the last
+layer selects for no one. A retrieval head outside `select` skips its top-k and passes EMPTY.
 Layout of the state: lychee_compile/ops/index_state.py.
 """
 from __future__ import annotations
@@ -12,10 +16,13 @@ import operator
 
 import torch
 
+from ..ops.hybrid_decode import hybrid_decode_op
 from ..ops.index_state import EMPTY, INDEX_DTYPE
 from .context import PassContext
 
 IDX_IN = 5   # position of idx_in in lychee::hybrid_decode's schema
+KINDS = 4    # position of the head kinds (`retrieval`)
+SELECT = 14  # position of `select`
 
 
 def empty_index_state_like(k: torch.Tensor, num_select: int) -> torch.Tensor:
@@ -27,6 +34,31 @@ def drop_inherited(idx: torch.Tensor, streaming_row: tuple) -> torch.Tensor:
     """idx int32 [B, Hkv, K] -> the same with the rows of streaming heads set to EMPTY."""
     keep = ~torch.tensor(streaming_row, dtype=torch.bool, device=idx.device)[None, :, None]
     return torch.where(keep, idx, torch.full_like(idx, EMPTY))
+
+
+def selection_readers(kinds: torch.Tensor, slot: int, streaming_next: tuple) -> torch.Tensor:
+    """kinds bool [Lg, Hkv] -> bool [Hkv]: heads that read global layer `slot`'s selection, i.e. the sparse heads
+    of layer slot + 1 (streaming heads drop what they inherit); none after the last global layer."""
+    if slot + 1 >= kinds.shape[0]:
+        return torch.zeros_like(kinds[0])
+    readers = ~kinds[slot + 1]
+    if any(streaming_next):
+        readers = readers & ~torch.tensor(streaming_next, dtype=torch.bool, device=kinds.device)
+    return readers
+
+
+def _mark_readers(ctx: PassContext, op, next_layer) -> None:
+    """Give a hybrid_decode op its `select` input (the heat op keeps selecting for every head)."""
+    if op.target is not hybrid_decode_op() or ctx.kinds_input is None:
+        return
+    kinds_node = op.args[KINDS]
+    slot = kinds_node.args[1]
+    row = ctx.streaming[next_layer].tolist() if ctx.streaming is not None and next_layer is not None else []
+    with ctx.gm.graph.inserting_before(op):
+        readers = ctx.gm.graph.call_function(selection_readers, (ctx.kinds_input, slot, tuple(bool(x) for x in row)))
+    args = list(op.args) + [None] * (SELECT + 1 - len(op.args))
+    args[SELECT] = readers
+    op.args = tuple(args)
 
 
 def thread_index_state(ctx: PassContext) -> None:
@@ -44,3 +76,5 @@ def thread_index_state(ctx: PassContext) -> None:
                 state = graph.call_function(drop_inherited, (state, tuple(bool(x) for x in row)))
         op.update_arg(IDX_IN, state)
         state = next(u for u in op.users if u.target is operator.getitem and u.args[1] == 1)
+    for i, site in enumerate(sites):
+        _mark_readers(ctx, site.op_node, sites[i + 1].layer_idx if i + 1 < len(sites) else None)
