@@ -356,57 +356,64 @@ def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, KSEL: tl.constexpr, KP: tl.c
     offs = tl.arange(0, NBR)
     zero = tl.zeros([], tl.int32)
     thr = zero
+    ngt = zero
     if NB <= NBR:
         keys = tl.load(KEYS_ROW + offs, mask=offs < NB, other=-1, cache_modifier=".cg")
         ncand = tl.sum((keys >= 0).to(tl.int32), 0)
-        # two bits per pass (three independent counts), bits 30..1, then bit 0. SEL_PACK: the three counts
-        # (each <= NBR <= 2^14) packed into one int64 sum -- one block-wide reduction per pass instead of three
-        for i in range(15):
-            sh = 29 - 2 * i
-            one = tl.full([], 1, tl.int32) << sh
-            if SEL_PACK:
-                tot = tl.sum((keys >= (thr | one)).to(tl.int64) + ((keys >= (thr | (one * 2))).to(tl.int64) << 21)
-                             + ((keys >= (thr | (one * 3))).to(tl.int64) << 42), 0)
-                c1 = (tot & 0x1FFFFF).to(tl.int32)
-                c2 = ((tot >> 21) & 0x1FFFFF).to(tl.int32)
-                c3 = (tot >> 42).to(tl.int32)
-            else:
-                c1 = tl.sum((keys >= (thr | one)).to(tl.int32), 0)
-                c2 = tl.sum((keys >= (thr | (one * 2))).to(tl.int32), 0)
-                c3 = tl.sum((keys >= (thr | (one * 3))).to(tl.int32), 0)
-            d = (c1 >= KSEL).to(tl.int32) + (c2 >= KSEL).to(tl.int32) + (c3 >= KSEL).to(tl.int32)
-            thr = thr | (d << sh)
-        c0 = tl.sum((keys >= (thr | 1)).to(tl.int32), 0)
-        thr = tl.where(c0 >= KSEL, thr | 1, thr)
-        ngt = tl.sum((keys > thr).to(tl.int32), 0)
+        if ncand > KSEL:   # else every candidate is taken: no threshold to find (short rows)
+            # two bits per pass (three independent counts), bits 30..1, then bit 0. SEL_PACK: the three counts
+            # (each <= NBR <= 2^14) packed into one int64 sum -- one block-wide reduction per pass instead of three
+            for i in range(15):
+                sh = 29 - 2 * i
+                one = tl.full([], 1, tl.int32) << sh
+                if SEL_PACK:
+                    tot = tl.sum((keys >= (thr | one)).to(tl.int64)
+                                 + ((keys >= (thr | (one * 2))).to(tl.int64) << 21)
+                                 + ((keys >= (thr | (one * 3))).to(tl.int64) << 42), 0)
+                    c1 = (tot & 0x1FFFFF).to(tl.int32)
+                    c2 = ((tot >> 21) & 0x1FFFFF).to(tl.int32)
+                    c3 = (tot >> 42).to(tl.int32)
+                else:
+                    c1 = tl.sum((keys >= (thr | one)).to(tl.int32), 0)
+                    c2 = tl.sum((keys >= (thr | (one * 2))).to(tl.int32), 0)
+                    c3 = tl.sum((keys >= (thr | (one * 3))).to(tl.int32), 0)
+                d = (c1 >= KSEL).to(tl.int32) + (c2 >= KSEL).to(tl.int32) + (c3 >= KSEL).to(tl.int32)
+                thr = thr | (d << sh)
+            c0 = tl.sum((keys >= (thr | 1)).to(tl.int32), 0)
+            thr = tl.where(c0 >= KSEL, thr | 1, thr)
+            ngt = tl.sum((keys > thr).to(tl.int32), 0)
     else:
         ncand = zero
         for c in range(0, NB, NBR):
             keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
             ncand += tl.sum((keys >= 0).to(tl.int32), 0)
-        for bit in range(31):
-            trial = thr | (tl.full([], 1, tl.int32) << (30 - bit))
-            cnt = zero
+        if ncand > KSEL:
+            for bit in range(31):
+                trial = thr | (tl.full([], 1, tl.int32) << (30 - bit))
+                cnt = zero
+                for c in range(0, NB, NBR):
+                    keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
+                    cnt += tl.sum((keys >= trial).to(tl.int32), 0)
+                thr = tl.where(cnt >= KSEL, trial, thr)
             for c in range(0, NB, NBR):
                 keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
-                cnt += tl.sum((keys >= trial).to(tl.int32), 0)
-            thr = tl.where(cnt >= KSEL, trial, thr)
-        ngt = zero
-        for c in range(0, NB, NBR):
-            keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
-            ngt += tl.sum((keys > thr).to(tl.int32), 0)
+                ngt += tl.sum((keys > thr).to(tl.int32), 0)
     take_all = ncand <= KSEL
     need = KSEL - ngt
-    # write: positions ascend with the block number
+    # write: positions ascend with the block number. One scan: taken count (low 16 bits) and ties at thr seen so
+    # far (high bits) packed together (both <= NBR <= 2^14)
     eq_before = zero
     ntaken = zero
     for c in range(0, NB, NBR):
         keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
-        eq = (keys == thr).to(tl.int32)
-        rank = eq_before + tl.cumsum(eq, 0) - eq
-        take = tl.where(take_all, keys >= 0, (keys > thr) | ((eq != 0) & (rank < need)))
+        eq = ((keys == thr) & (~take_all)).to(tl.int32)
+        gt = tl.where(take_all, keys >= 0, keys > thr).to(tl.int32)
+        scan = tl.cumsum(gt + (eq << 16), 0)                       # inclusive
+        rank = eq_before + (scan >> 16) - eq                        # ties at thr before this one
+        take = (gt != 0) | ((eq != 0) & (rank < need))
         ti = take.to(tl.int32)
-        pos = ntaken + tl.cumsum(ti, 0) - ti
+        # position = taken before it: the chunk's greater keys before it + the ties taken before it (first `need`)
+        pos = ntaken + (scan & 0xFFFF) - gt + tl.minimum(rank, need) - tl.minimum(eq_before, need)
         tl.store(OUT_ROW + pos * stride_o, c + offs, mask=take)
         eq_before += tl.sum(eq, 0)
         ntaken += tl.sum(ti, 0)
