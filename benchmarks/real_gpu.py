@@ -60,6 +60,8 @@ def parse(argv=None):
     g.add_argument("--budgets-4k", type=_ints, default="2048", help="extra budgets of passkey4k")
     g.add_argument("--prompts", type=int, default=100, help="passkey2k prompts (depths cycle 0.1 ... 0.9)")
     g.add_argument("--prompts-4k", type=int, default=50)
+    g.add_argument("--first-prompt", type=int, default=0,
+                   help="skip the first N passkey prompts (continue an earlier run; record i of this run is prompt N + i)")
     g.add_argument("--repeat-prompts", type=int, default=16)
     g.add_argument("--ppl-prompts", type=int, default=16)
     g.add_argument("--score-tokens", type=int, default=32, help="repeat/ppl tokens scored by decode steps")

@@ -61,7 +61,9 @@ def _items(part, tok, args):
     if part in ("passkey2k", "passkey4k"):
         n = args.prompts if part == "passkey2k" else args.prompts_4k      # depths cycle: prompt i at DEPTHS[i % 5]
         trials = -(-n // len(DEPTHS))
-        return "passkey", passkey_items(tok, [2048 if part == "passkey2k" else 4096], DEPTHS, trials)[:n]
+        items = passkey_items(tok, [2048 if part == "passkey2k" else 4096], DEPTHS, trials)[:n]
+        # --first-prompt: continue an earlier run (prompts are deterministic: prompt i is the same in every run)
+        return "passkey", items[args.first_prompt:]
     if part == "repeat2k":
         return "repeat", repeat_items(tok, 2048, args.repeat_prompts, args.score_tokens)
     if part == "ppl2k":
