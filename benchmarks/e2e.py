@@ -3,6 +3,8 @@
     python benchmarks/e2e.py --model llama8b --batch 1 --out $OUT            # on the GPU machine
     python benchmarks/e2e.py --dry-run --out /tmp/e2e                       # tiny Llama on the CPU: the logic only
     python benchmarks/e2e.py --plot A.json [B.json ...] --out DIR           # PNG + Markdown table from results
+    python benchmarks/e2e.py --dry-run --rows h12_64,h12_64_r32 --contexts 128 --steps 70 --prefill 128,256 \
+        --profile-row h12_64 --out /tmp/e2e                                 # the prefill/rectify/profile logic, CPU
 
 Rows (--rows, comma list; each row is timed at every context):
   hf          HF as-is: model.get_compiled_call(generation_config.compile_config) with HF's defaults (Inductor,
@@ -109,6 +111,7 @@ def parse_args(argv=None):
     ap.add_argument("--profile-row", default=None, help="profile this row (no CUDA graphs) under torch.profiler")
     ap.add_argument("--profile-ctx", type=int, default=None, help="context for --profile-row (default: smallest)")
     ap.add_argument("--profile-steps", type=int, default=10, help="profiled decode steps")
+    ap.add_argument("--tag", default="", help="appended to the JSON/PNG file name (separate runs into one $OUT)")
     ap.add_argument("--steps", type=int, default=100, help="timed decode steps per row and context")
     ap.add_argument("--warmup", type=int, default=10, help="untimed decode steps before each row and context")
     ap.add_argument("--sink", type=int, default=16)
@@ -970,7 +973,8 @@ def targets(results) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------ output
 def write_json(args, results) -> str:
-    path = os.path.join(args.out, f"e2e_{args.model}_b{'-'.join(map(str, args.batches))}.json")
+    tag = f"_{args.tag}" if args.tag else ""
+    path = os.path.join(args.out, f"e2e_{args.model}_b{'-'.join(map(str, args.batches))}{tag}.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     return path
@@ -1082,7 +1086,8 @@ def report(results, out_dir: str, stem: str) -> None:
     png = os.path.join(out_dir, f"{stem}.png")
     try:
         plot(results, png)
-        print(f"wrote {png}")
+        if os.path.exists(png):
+            print(f"wrote {png}")
     except ImportError as e:
         print(f"no PNG (matplotlib missing: {e})")
     print()
