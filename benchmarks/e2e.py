@@ -780,7 +780,7 @@ def run_prefill(args, base, results) -> None:
             scale = max(1.0, logits["hf"].abs().max().item())
             rec.update(hf_ms=statistics.median(times["hf"]), lychee_ms=statistics.median(times["lychee"]),
                        hf_all_ms=times["hf"], lychee_all_ms=times["lychee"],
-                       logits_finite=bool(torch.isfinite(logits["hf"]).all() and torch.isfinite(logits["lychee"]).all()),
+                       logits_finite=all(bool(torch.isfinite(x).all()) for x in logits.values()),
                        max_abs_diff=diff, logits_close=diff <= tol * scale,
                        lychee_decode_calls=counters.decode_calls - calls0, **memory_now(args.device))
             rec["ratio"] = rec["lychee_ms"] / rec["hf_ms"]
