@@ -3,6 +3,8 @@
     python benchmarks/e2e.py --model llama8b --batch 1 --out $OUT            # on the GPU machine
     python benchmarks/e2e.py --dry-run --out /tmp/e2e                       # tiny Llama on the CPU: the logic only
     python benchmarks/e2e.py --plot A.json [B.json ...] --out DIR           # PNG + Markdown table from results
+    python benchmarks/e2e.py --dry-run --rows h12_64,h12_64_r32 --contexts 128 --steps 70 --prefill 128,256 \
+        --profile-row h12_64 --out /tmp/e2e                                 # the prefill/rectify/profile logic, CPU
 
 Rows (--rows, comma list; each row is timed at every context):
   hf          HF as-is: model.get_compiled_call(generation_config.compile_config) with HF's defaults (Inductor,
@@ -13,6 +15,12 @@ Rows (--rows, comma list; each row is timed at every context):
   dense       lychee dense mode: our kernel, every KV head retrieval (budget = the largest of --budgets)
   h12_<b>     lychee hybrid, 12.5% retrieval KV heads (random map), budget <b> tokens
   h25_<b>     lychee hybrid, 25% retrieval KV heads, budget <b>
+  h12_<b>_r<R>, h25_<b>_r<R>
+              the hybrid row with LycheeConfig(rectify_every=R) (its own compile): rectify.py wraps what
+              get_compiled_call returns, so the call this loop times re-encodes the last R tokens densely after every
+              R-th step. Each context gets a fresh get_compiled_call (a fresh rectifier, as each generate() does).
+              TPOT of these rows is the MEAN of the per-step times (rectification amortized), not the median;
+              `median_ms` and `rectifications_timed` are recorded next to it
   floor       per row: (weights bytes + the KV bytes that row must read) / device-to-device copy bandwidth measured
               in the same run (bytes read + written)
 
@@ -29,6 +37,16 @@ All variants of one batch size share the weights and the cache; each variant is 
 context and head map (lychee_compile.set_head_map swaps head kinds in place, no recompile). Dynamo's counters must
 not move after the first call of a variant (asserted, >= 200 decode steps per variant with the defaults).
 
+Prefill (--prefill 8192,32768): one forward of a prompt of each length into a fresh StaticCache (max_cache_len =
+length + 256, like a generate() with room to decode), HF as-is (the uncompiled base model) and the lychee_compile'd
+model (its wrapped forward: prefill stays HF's dense path), alternated, median of --prefill-repeats after one warmup;
+logits_to_keep=1 (generate()'s default: only the last position's logits, no [B, L, vocab] tensor); the two last-token
+logits must be finite and agree, and lychee's decode counter must not move.
+
+Profile (--profile-row ROW --profile-ctx CTX): that row compiled again WITHOUT CUDA graphs, --profile-steps decode
+steps under torch.profiler; kernel time per step grouped by name (lychee split / combine, attention, GEMM, other
+Triton, copies/memset, other) plus the top 15 kernels. On the CPU (dry run) the profiler sees CPU ops only.
+
 Timing: CUDA events around each compiled call (the decode step itself; the host's prepare/update between steps is
 outside), warmup steps first; median, p10 and p90 of the per-step times. `loop_ms` is wall time per step of the
 whole generate-like loop (host work included). CPU: perf_counter per step.
@@ -42,6 +60,7 @@ import datetime
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -84,7 +103,15 @@ def parse_args(argv=None):
     ap.add_argument("--contexts", default="4096,8192,32768,65536,131072",
                     help="comma list of runtime positions (valid lengths) to decode at")
     ap.add_argument("--budgets", default="1024,4096", help="hybrid budgets in tokens (one compile each)")
-    ap.add_argument("--rows", default="all", help="comma list of hf, flash_dense, dense, h12_<b>, h25_<b> or all")
+    ap.add_argument("--rows", default="all",
+                    help="comma list of hf, flash_dense, dense, h12_<b>, h25_<b>, h12_<b>_r<R>, h25_<b>_r<R>, all "
+                         "(may be combined: all,h12_4096_r32) or none")
+    ap.add_argument("--prefill", default="", help="comma list of prompt lengths to time one prefill at (HF vs lychee)")
+    ap.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills per model and length")
+    ap.add_argument("--profile-row", default=None, help="profile this row (no CUDA graphs) under torch.profiler")
+    ap.add_argument("--profile-ctx", type=int, default=None, help="context for --profile-row (default: smallest)")
+    ap.add_argument("--profile-steps", type=int, default=10, help="profiled decode steps")
+    ap.add_argument("--tag", default="", help="appended to the JSON/PNG file name (separate runs into one $OUT)")
     ap.add_argument("--steps", type=int, default=100, help="timed decode steps per row and context")
     ap.add_argument("--warmup", type=int, default=10, help="untimed decode steps before each row and context")
     ap.add_argument("--sink", type=int, default=16)
@@ -125,6 +152,13 @@ def finish_args(args, ap):
     args.context_list = sorted({int(x) for x in args.contexts.split(",")}, reverse=True)
     args.budget_list = sorted({int(x) for x in args.budgets.split(",")})
     args.row_list = expand_rows(args.rows, args.budget_list)
+    args.prefill_list = sorted({int(x) for x in args.prefill.split(",") if x.strip()})
+    if args.profile_row is not None:
+        expand_rows(args.profile_row, args.budget_list)
+        if args.profile_ctx is None:
+            args.profile_ctx = min(args.context_list)
+    if args.prefill_repeats < 1 or args.profile_steps < 1:
+        raise BenchError("--prefill-repeats and --profile-steps must be >= 1.")
     if args.steps < 1 or args.warmup < 0:
         raise BenchError("--steps must be >= 1 and --warmup >= 0.")
     return args
@@ -132,13 +166,24 @@ def finish_args(args, ap):
 
 def expand_rows(rows: str, budgets: list[int]) -> list[str]:
     known = ["hf", "flash_dense", "dense"] + [f"{s}_{b}" for b in budgets for s in SHARES]
-    if rows == "all":
-        return known
-    picked = [r.strip() for r in rows.split(",") if r.strip()]
-    unknown = [r for r in picked if r not in known]
-    if unknown:
-        raise BenchError(f"unknown rows {unknown}; choose from {known} (h12_/h25_ take a budget from --budgets).")
+    if rows.strip() == "none":
+        return []
+    picked = []
+    for r in (r.strip() for r in rows.split(",")):
+        for x in (known if r == "all" else [r] if r else []):
+            if x not in picked:
+                picked.append(x)
+    unknown = [r for r in picked if r not in known and rectify_of(r) is None]
+    if unknown or any(r not in known and rectify_of(r)[0] not in known for r in picked):
+        raise BenchError(f"unknown rows {unknown or picked}; choose from {known}, all, none, or a hybrid row with "
+                         "_r<R> (rectify_every=R, R >= 1) (h12_/h25_ take a budget from --budgets).")
     return picked
+
+
+def rectify_of(row: str):
+    """('h12_4096', 32) for 'h12_4096_r32'; None for a row without rectification."""
+    m = re.fullmatch(r"(h12|h25)_(\d+)_r(\d+)", row)
+    return None if m is None or int(m.group(3)) < 1 else (f"{m.group(1)}_{m.group(2)}", int(m.group(3)))
 
 
 def variant_of(row: str, budgets: list[int]) -> tuple[str, int]:
@@ -147,6 +192,9 @@ def variant_of(row: str, budgets: list[int]) -> tuple[str, int]:
         return row, max(budgets)
     if row == "dense":
         return "lychee", max(budgets)
+    rect = rectify_of(row)
+    if rect is not None:
+        return f"lychee_r{rect[1]}", int(row.split("_")[1])
     return "lychee", int(row.split("_")[1])
 
 
@@ -303,10 +351,11 @@ def quantile(xs: list[float], q: float) -> float:
 
 def time_decode(loop: DecodeLoop, position: int, warmup: int, steps: int, device: str) -> dict:
     loop.start(position)
-    with torch.no_grad():
+    with torch.no_grad(), count_rectifications() as rect:
         for _ in range(warmup):
             loop.step()
         sync(device)
+        rect_before = rect[0]
         clock = StepClock(device)
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -316,7 +365,34 @@ def time_decode(loop: DecodeLoop, position: int, warmup: int, steps: int, device
         wall = time.perf_counter() - t0
     ts = clock.times_ms()
     return dict(tpot_ms=statistics.median(ts), p10_ms=quantile(ts, 0.1), p90_ms=quantile(ts, 0.9),
-                min_ms=min(ts), loop_ms=wall * 1e3 / steps, logits_finite=bool(torch.isfinite(logits).all()))
+                min_ms=min(ts), mean_ms=statistics.fmean(ts), loop_ms=wall * 1e3 / steps,
+                logits_finite=bool(torch.isfinite(logits).all()), rectifications_timed=rect[0] - rect_before,
+                rectifications_total=rect[0])
+
+
+class count_rectifications:
+    """Counts lychee_compile.rectify's dense re-encodes (Rectifier._reencode calls) while active: [count]."""
+
+    def __enter__(self):
+        self.count = [0]
+        try:
+            from lychee_compile.rectify import Rectifier
+        except ImportError:
+            self.cls = None
+            return self.count
+        self.cls, self.inner, count = Rectifier, Rectifier.__dict__["_reencode"], self.count
+        inner = self.inner
+
+        def _reencode(rectifier, *a, **kw):
+            count[0] += 1
+            return inner(rectifier, *a, **kw)
+        Rectifier._reencode = _reencode
+        return self.count
+
+    def __exit__(self, *exc):
+        if self.cls is not None:
+            self.cls._reencode = self.inner
+        return False
 
 
 # ------------------------------------------------------------------------------------------------ counters
@@ -387,7 +463,7 @@ def random_map(model, share: float, seed: int):
 def row_head_map(row: str, model, seed: int):
     if row in ("dense", "flash_dense"):
         return all_retrieval_map(model)
-    return random_map(model, SHARES[row.split("_")[0]], seed)
+    return random_map(model, SHARES[row.split("_")[0]], seed)    # h12_<b>_r<R>: the same map as h12_<b>
 
 
 # ------------------------------------------------------------------------------------------------ bytes floor
@@ -419,6 +495,8 @@ class Variant:
 def lychee_config(args, kind: str, budget: int):
     from lychee_compile import LycheeConfig
     kw = dict(budget=budget, block_size=16, sink_tokens=args.sink, local_tokens=args.local)
+    if kind.startswith("lychee_r"):
+        kw["rectify_every"] = int(kind[len("lychee_r"):])
     if args.device == "cpu":
         kw["backend"] = "eager"
     elif not args.no_cuda_graphs:
@@ -442,6 +520,8 @@ def build_variant(args, base, kind: str, budget: int) -> Variant:
     head_map = all_retrieval_map(model)
     lychee_compile(model, head_map, lychee_config(args, kind, budget))
     name = "flash_dense" if kind == "flash_dense" else f"lychee_b{budget}"
+    if kind.startswith("lychee_r"):
+        name += kind[len("lychee"):]
     layers = model._lychee_state.global_layers
     return Variant(name, model, budget=budget, global_layers=layers, setup_s=time.perf_counter() - t0)
 
@@ -484,6 +564,7 @@ def variants_needed(args) -> list[tuple[str, int]]:
     top = max(args.budget_list)
     order = [("lychee", top), ("flash_dense", top), ("hf", top)] + [("lychee", b) for b in
                                                                       sorted(args.budget_list, reverse=True)[1:]]
+    order += sorted(v for v in wanted if v[0].startswith("lychee_r"))      # rectification: one compile each
     return [v for v in order if v in wanted]
 
 
@@ -530,6 +611,10 @@ def time_rows(args, variant, rows, cache, batch, ctx_info, budget_clock, results
             if budget_clock.left() <= 0:
                 results["skipped"].append(dict(batch=batch, row=row, context=ctx, reason="--max-seconds reached"))
                 continue
+            if rectify_of(row) is not None:
+                # a fresh get_compiled_call (same compiled graph, no recompile): a fresh rectifier, as each
+                # generate() gets, so no tokens of the previous context are re-encoded at this one
+                current.forward = compiled_forward(current, {"past_key_values": cache})
             loop = DecodeLoop(current.model, current.forward, cache, batch, current.model.config.vocab_size,
                               args.device)
             rec = time_row(args, loop, current, row, ctx, batch, effective, ctx_info)
@@ -558,10 +643,25 @@ def time_row(args, loop, variant, row, ctx, batch, effective, ctx_info) -> dict:
                        None if row in ("hf", "flash_dense") else effective)
     w = ctx_info["weights_bytes"][batch]
     rec = dict(model=args.model, batch=batch, context=ctx, row=row, variant=variant.name, budget=variant.budget,
+               steps=args.steps,
                **stats, floor_ms=(w + kv) / ctx_info["copy_bw"] * 1e3, weights_bytes=w, kv_bytes=kv,
                mean_valid=valid, **memory_now(args.device))
     if effective is not None:
         rec["retrieval_share_effective"] = float(effective.float().mean())
+    rect = rectify_of(row)
+    if rect is not None:
+        every = rect[1]
+        rec.update(tpot_ms=stats["mean_ms"], median_ms=stats["tpot_ms"], tpot_stat="mean (rectification amortized)",
+                   rectify_every=every)
+        expected = (args.warmup + args.steps) // every - args.warmup // every
+        if stats["rectifications_timed"] == 0:
+            rec["error"] = (f"no rectification ran in the {args.steps} timed steps (rectify_every={every}): the "
+                            "rectify wrapper of get_compiled_call did not fire")
+        elif stats["rectifications_timed"] != expected:
+            rec["warning"] = f"{stats['rectifications_timed']} rectifications timed, expected {expected}"
+        if stats["rectifications_timed"] < 2:
+            rec["warning"] = (rec.get("warning", "") + f" fewer than 2 rectifications in the timed window: use "
+                              f"--steps >= {2 * every}").strip()
     if calls0 is not None:
         rec["lychee_decode_calls"] = counters.decode_calls - calls0
         if rec["lychee_decode_calls"] == 0:
@@ -634,6 +734,181 @@ def max_cache_len(args) -> int:
     return -(-need // 256) * 256
 
 
+# ------------------------------------------------------------------------------------------------ prefill
+PREFILL_EXTRA = 256        # cache slots beyond the prompt (a generate() has room to decode)
+
+
+def prefill_cache_len(args) -> int:
+    return -(-(max(args.prefill_list) + PREFILL_EXTRA) // 256) * 256 if args.prefill_list else 0
+
+
+def prefill_once(model, cache, ids, clock):
+    """One prefill as generate() runs it (eager model call, 2-D mask, positions, logits_to_keep=1) from position 0."""
+    set_position(cache, 0)
+    mask = torch.ones_like(ids)
+    return clock.around(lambda: model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1),
+                                      past_key_values=cache, use_cache=True, logits_to_keep=1,
+                                      return_dict=True)).logits[:, -1].float()
+
+
+def run_prefill(args, base, results) -> None:
+    """--prefill: HF as-is (the uncompiled base model) vs the lychee_compile'd model, alternated, one cache."""
+    batch, budget = args.batches[0], max(args.budget_list)
+    variant = build_variant(args, base, "lychee", budget)
+    counters = variant.model._lychee_state.counters
+    cache = make_cache(base, batch, prefill_cache_len(args), args.device, base.dtype, args.seed)
+    models = dict(hf=base, lychee=variant.model)
+    tol = 1e-4 if base.dtype == torch.float32 else 2e-2
+    for length in args.prefill_list:
+        rec = dict(model=args.model, batch=batch, prompt=length, cache_len=prefill_cache_len(args),
+                   logits_to_keep=1, repeats=args.prefill_repeats)
+        ids = torch.randint(3, base.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(
+            length)).to(args.device)
+        calls0 = counters.decode_calls
+        reset_peak(args.device)
+        try:
+            clocks, logits = {k: StepClock(args.device) for k in models}, {}
+            with torch.no_grad():
+                for k, m in models.items():                                   # warmup (not recorded)
+                    prefill_once(m, cache, ids, StepClock(args.device))
+                sync(args.device)
+                for _ in range(args.prefill_repeats):
+                    for k, m in models.items():
+                        logits[k] = prefill_once(m, cache, ids, clocks[k])
+            times = {k: c.times_ms() for k, c in clocks.items()}
+            diff = (logits["hf"] - logits["lychee"]).abs().max().item()
+            scale = max(1.0, logits["hf"].abs().max().item())
+            rec.update(hf_ms=statistics.median(times["hf"]), lychee_ms=statistics.median(times["lychee"]),
+                       hf_all_ms=times["hf"], lychee_all_ms=times["lychee"],
+                       logits_finite=all(bool(torch.isfinite(x).all()) for x in logits.values()),
+                       max_abs_diff=diff, logits_close=diff <= tol * scale,
+                       lychee_decode_calls=counters.decode_calls - calls0, **memory_now(args.device))
+            rec["ratio"] = rec["lychee_ms"] / rec["hf_ms"]
+            if rec["lychee_decode_calls"]:
+                rec["error"] = "the lychee decode graph ran during the prefill (it must stay HF's dense path)"
+            elif not (rec["logits_finite"] and rec["logits_close"]):
+                rec["error"] = f"prefill logits differ (max |diff| {diff:.3g}, finite {rec['logits_finite']})"
+        except torch.OutOfMemoryError as e:      # a 32K prompt on a small GPU: keep the other lengths
+            rec["error"] = f"out of memory: {str(e).splitlines()[0]}"
+            logits = None
+        results["prefill"].append(rec)
+        print(f"   prefill b{batch} {length:>7} tokens: HF {_fmt(rec.get('hf_ms'))} ms, lychee "
+              f"{_fmt(rec.get('lychee_ms'))} ms, ratio {_fmt(rec.get('ratio'))}, max |logit diff| "
+              f"{_fmt(rec.get('max_abs_diff'), '.2e')} | peak {_fmt(rec.get('peak_gb'), '.1f')} GB"
+              f"{'  ERROR ' + rec['error'] if 'error' in rec else ''}", flush=True)
+        write_json(args, results)
+    del cache, variant, models
+    release_compiled()
+
+
+# ------------------------------------------------------------------------------------------------ profile
+PROFILE_CATEGORIES = [      # first match wins (lower-case substrings of the kernel / op name)
+    ("lychee combine", ("lychee_hybrid_combine", "combine")),
+    ("lychee split", ("lychee_hybrid_split", "hybrid_decode", "triton_tem")),
+    ("attention (flash/cuDNN/SDPA)", ("flash", "fmha", "cudnn", "attention", "sdpa", "attn")),
+    ("GEMM", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
+              "aten::matmul", "aten::linear")),
+    ("other Triton fused", ("triton",)),
+    ("copies/memset", ("memcpy", "memset", "copy", "aten::fill_", "aten::zero_")),
+]
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    for category, keys in PROFILE_CATEGORIES:
+        if any(k in low for k in keys):
+            return category
+    return "other"
+
+
+def profile_events(prof, cuda: bool) -> list[tuple[str, float, int]]:
+    """(name, self time us, calls): CUDA kernels (device events) on CUDA, CPU ops' self time on the CPU."""
+    out = []
+    for e in prof.key_averages():
+        is_device = getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+        if cuda:
+            t = getattr(e, "self_device_time_total", None)
+            t = getattr(e, "self_cuda_time_total", 0) if t is None else t
+            if not is_device:
+                continue
+        else:
+            t = e.self_cpu_time_total
+        if t > 0:
+            out.append((e.key, float(t), int(e.count)))
+    return out
+
+
+def run_profile(args, base, results) -> None:
+    row, ctx, steps = args.profile_row, args.profile_ctx, args.profile_steps
+    batch = args.batches[0]
+    kind, budget = variant_of(row, args.budget_list)
+    pargs = copy.copy(args)
+    pargs.no_cuda_graphs = True
+    variant = build_variant(pargs, base, kind, budget)
+    if kind == "hf" and args.device == "cuda":           # HF's defaults minus CUDA graphs ("reduce-overhead")
+        from transformers import CompileConfig
+        cc = CompileConfig()
+        cc.mode = "default"
+        variant.model.generation_config.compile_config = cc
+    if kind != "hf" and row != "flash_dense":
+        apply_head_map(args, variant, rectify_of(row)[0] if rectify_of(row) else row)
+    warm = 3
+    cache = make_cache(base, batch, -(-(ctx + warm + steps + 4) // 256) * 256, args.device, base.dtype, args.seed)
+    forward = compiled_forward(variant, {"past_key_values": cache})
+    loop = DecodeLoop(variant.model, forward, cache, batch, base.config.vocab_size, args.device)
+    loop.start(ctx)
+    print(f"== profile {row} b{batch} ctx {ctx}: compiling (no CUDA graphs) ...", flush=True)
+    from torch.profiler import ProfilerActivity, profile
+    cuda = args.device == "cuda"
+    with torch.no_grad():
+        for _ in range(warm):                            # compile + warmup
+            loop.step()
+        sync(args.device)
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            for _ in range(steps):
+                loop.step()
+            sync(args.device)
+    events = profile_events(prof, cuda)
+    total = sum(t for _, t, _ in events) or 1.0
+    cats = {}
+    for name, t, _ in events:
+        c = kernel_category(name)
+        cats[c] = cats.get(c, 0.0) + t
+    rec = dict(model=args.model, batch=batch, context=ctx, row=row, variant=variant.name, steps=steps,
+               source="CUDA kernels (self device time)" if cuda else "CPU ops (self CPU time; no CUDA in a dry run)",
+               total_ms_per_step=total / 1e3 / steps,
+               categories=[dict(category=c, ms_per_step=t / 1e3 / steps, share=t / total)
+                           for c, t in sorted(cats.items(), key=lambda kv: -kv[1])],
+               top=[dict(name=n, category=kernel_category(n), ms_per_step=t / 1e3 / steps, calls_per_step=k / steps,
+                         share=t / total) for n, t, k in sorted(events, key=lambda x: -x[1])[:15]])
+    results["profile"] = rec
+    print(profile_table(rec), flush=True)
+    write_json(args, results)
+    del loop, forward, cache, variant
+    release_compiled()
+
+
+def profile_table(p: dict) -> str:
+    lines = [f"profile: {p['model']} b{p['batch']} ctx {p['context']} row {p['row']} (no CUDA graphs), "
+             f"{p['steps']} steps, {p['source']}: {p['total_ms_per_step']:.3f} ms per step",
+             "| category | ms / step | % |", "|---|---:|---:|"]
+    lines += [f"| {c['category']} | {c['ms_per_step']:.4f} | {100 * c['share']:.1f} |" for c in p["categories"]]
+    lines += ["", "| top kernel | category | ms / step | calls / step | % |", "|---|---|---:|---:|---:|"]
+    lines += [f"| `{t['name'][:90]}` | {t['category']} | {t['ms_per_step']:.4f} | {t['calls_per_step']:.1f} | "
+              f"{100 * t['share']:.1f} |" for t in p["top"]]
+    return "\n".join(lines)
+
+
+def prefill_table(results) -> str:
+    lines = ["| model | B | prompt | HF ms | lychee ms | lychee / HF | max abs logit diff | peak GB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results.get("prefill", []):
+        lines.append(f"| {r['model']} | {r['batch']} | {_ctx(r['prompt'])} | {_fmt(r.get('hf_ms'))} | "
+                     f"{_fmt(r.get('lychee_ms'))} | {_fmt(r.get('ratio'))} | {_fmt(r.get('max_abs_diff'), '.2e')} | "
+                     f"{_fmt(r.get('peak_gb'), '.1f')} |" + (f" ERROR {r['error']}" if "error" in r else ""))
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------------ bandwidth
 def measure_copy_bw(device: str) -> float:
     """Device-to-device copy of a 1 GiB buffer (CPU: 64 MiB), bytes read + written per second; median of 20."""
@@ -685,6 +960,10 @@ def targets(results) -> list[dict]:
     worst = max((r["tpot_ms"] / d4["tpot_ms"] for r in rows if d4 and r["context"] == small and r["batch"] == 1
                  and r["row"].startswith("h") and r["row"] != "hf" and "error" not in r), default=None)
     add(f"at {small} every hybrid row within 5% of dense mode (b1; worst ratio)", worst, lambda v: v <= 1.05)
+    for p in results.get("prefill", []):
+        if p["model"] == model:
+            add(f"prefill lychee <= 1.05x HF ({p['prompt']} tokens, b{p['batch']})", p.get("ratio"),
+                lambda v: v <= 1.05)
     for v in results["variants"]:
         if v["variant"] != "hf" and v["model"] == model:
             add(f"compile <= 90 s ({model} {v['variant']}, b{v['batch']}, {v['layers']} layers)",
@@ -694,16 +973,18 @@ def targets(results) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------ output
 def write_json(args, results) -> str:
-    path = os.path.join(args.out, f"e2e_{args.model}_b{'-'.join(map(str, args.batches))}.json")
+    tag = f"_{args.tag}" if args.tag else ""
+    path = os.path.join(args.out, f"e2e_{args.model}_b{'-'.join(map(str, args.batches))}{tag}.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     return path
 
 
 def print_row(r: dict) -> None:
+    rect = f" ({r['rectifications_timed']} rectif.)" if "rectify_every" in r else ""
     print(f"   b{r['batch']} ctx {r['context']:>7} {r['row']:<12} TPOT {r['tpot_ms']:8.3f} ms "
           f"(p10 {r['p10_ms']:.3f} p90 {r['p90_ms']:.3f}) loop {r['loop_ms']:.3f} | floor {r['floor_ms']:.3f} ms "
-          f"| peak {_fmt(r['peak_gb'], '.1f')} GB{'  ERROR ' + r['error'] if 'error' in r else ''}", flush=True)
+          f"| peak {_fmt(r['peak_gb'], '.1f')} GB{rect}{'  ERROR ' + r['error'] if 'error' in r else ''}", flush=True)
 
 
 def _fmt(x, spec=".3f") -> str:
@@ -721,16 +1002,26 @@ def markdown_table(results) -> str:
                for k in ("flash_dense", "hf")}
         v = comp.get((r["model"], r["batch"], r["variant"]), {})
         lines.append(
-            f"| {r['model']} | {r['batch']} | {_ctx(r['context'])} | {r['row']} | {r['tpot_ms']:.3f} | "
+            f"| {r['model']} | {r['batch']} | {_ctx(r['context'])} | {_row_label(r)} | {r['tpot_ms']:.3f} | "
             f"{r['p10_ms']:.3f}-{r['p90_ms']:.3f} | {r['loop_ms']:.3f} | {r['floor_ms']:.3f} | "
             f"{r['tpot_ms'] / r['floor_ms']:.2f} | {_ratio(ref['flash_dense'], r)} | {_ratio(ref['hf'], r)} | "
             f"{_fmt(v.get('compile_s'), '.1f')} | {_fmt(r['peak_gb'], '.1f')} | {v.get('recompiles', '-')} |")
     return "\n".join(lines)
 
 
+def _row_label(r: dict) -> str:
+    if "rectify_every" not in r:
+        return r["row"]
+    return f"{r['row']} (mean; {r.get('rectifications_timed', '?')} rectif. in {r.get('steps', '?')} steps)"
+
+
 def _row_order(row: str) -> int:
     order = ["hf", "flash_dense", "dense"]
-    return order.index(row) if row in order else 3 + int(row.split("_")[1]) + (0 if row.startswith("h12") else 1)
+    if row in order:
+        return order.index(row)
+    rect = rectify_of(row)
+    base = rect[0] if rect else row
+    return 3 + 4 * int(base.split("_")[1]) + (0 if base.startswith("h12") else 2) + (1 if rect else 0)
 
 
 def _ctx(c: int) -> str:
@@ -783,8 +1074,10 @@ def merge(paths: list[str]) -> dict:
         with open(p) as f:
             r = json.load(f)
         merged["meta"] = merged["meta"] or r["meta"]
-        for k in ("rows", "variants", "skipped"):
-            merged[k] += r[k]
+        for k in ("rows", "variants", "skipped", "prefill"):
+            merged.setdefault(k, []).extend(r.get(k, []))
+        if r.get("profile"):
+            merged.setdefault("profiles", []).append(r["profile"])
     merged["targets"] = targets(merged)
     return merged
 
@@ -793,11 +1086,18 @@ def report(results, out_dir: str, stem: str) -> None:
     png = os.path.join(out_dir, f"{stem}.png")
     try:
         plot(results, png)
-        print(f"wrote {png}")
+        if os.path.exists(png):
+            print(f"wrote {png}")
     except ImportError as e:
         print(f"no PNG (matplotlib missing: {e})")
     print()
     print(markdown_table(results))
+    if results.get("prefill"):
+        print()
+        print(prefill_table(results))
+    for p in ([results["profile"]] if results.get("profile") else []) + results.get("profiles", []):
+        print()
+        print(profile_table(p))
     print()
     print(targets_table(results))
 
@@ -876,14 +1176,24 @@ def main(argv=None) -> int:
     budget_clock = Budget(args.max_seconds)
     copy_bw = measure_copy_bw(args.device)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    base = build_base_model(args.model, args.device, dtype, max_cache_len(args), args.layers)
-    results = dict(meta=meta_of(args, env, features, base), rows=[], variants=[], skipped=[], targets=[])
+    positions = max(max_cache_len(args), prefill_cache_len(args), (args.profile_ctx or 0) + 512)
+    base = build_base_model(args.model, args.device, dtype, positions, args.layers)
+    results = dict(meta=meta_of(args, env, features, base), rows=[], variants=[], skipped=[], targets=[],
+                   prefill=[], profile=None)
     results["meta"]["copy_bw_TBps"] = copy_bw / 1e12
     print(json.dumps(results["meta"]), flush=True)
     if args.dry_run:
         results["harness_check"] = check_harness(args, base)
-    for batch in args.batches:
+    if args.prefill_list:
+        run_prefill(args, base, results)
+    for batch in (args.batches if args.row_list else []):
         run_batch(args, base, batch, features, copy_bw, budget_clock, results)
+    if args.profile_row is not None:
+        if budget_clock.left() <= args.compile_reserve:
+            results["skipped"].append(dict(row=args.profile_row, reason="profile: --max-seconds reached"))
+            print(f"skip the profile of {args.profile_row}: less than --compile-reserve left", flush=True)
+        else:
+            run_profile(args, base, results)
     results["targets"] = targets(results)
     path = write_json(args, results)
     print(f"wrote {path}")
@@ -893,7 +1203,7 @@ def main(argv=None) -> int:
 
 def preflight(args, features) -> None:
     """Refuse at once (before minutes of model building and compiling) what cannot run on this checkout."""
-    lychee_rows = [r for r in args.row_list if variant_of(r, args.budget_list)[0] == "lychee"]
+    lychee_rows = [r for r in args.row_list if variant_of(r, args.budget_list)[0].startswith("lychee")]
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda but torch.cuda.is_available() is False; use --dry-run on a CPU machine.")
     if lychee_rows and not features["set_head_map"]:
@@ -907,6 +1217,7 @@ def preflight(args, features) -> None:
 def verdict(results) -> int:
     """Non-zero exit when a row failed or a variant recompiled (results are written first)."""
     bad = [r for r in results["rows"] if "error" in r or not r["logits_finite"]]
+    bad += [dict(r, row="prefill", context=r["prompt"]) for r in results.get("prefill", []) if "error" in r]
     recompiled = [v for v in results["variants"] if v["recompiles"]]
     if results["skipped"]:
         print(f"note: {len(results['skipped'])} rows/contexts skipped (reasons in the JSON's 'skipped')")
