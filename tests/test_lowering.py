@@ -94,8 +94,8 @@ def _layer(q, k, v, valid, retr, idx):
     return o * 2, i
 
 
-def _check(out, idx, args):
-    ro, ri = _layer(*[a.cpu() for a in args])
+def _check(out, idx, args, layer=_layer):
+    ro, ri = layer(*[a.cpu() for a in args])
     err = ((out.float().cpu() - ro.float()).norm() / ro.float().norm()).item()
     assert err < 1.5e-2, err
     assert torch.equal(idx.cpu(), ri)
@@ -146,6 +146,41 @@ def test_lowering_head_map_is_runtime_data_and_sizes_symbolic(inductor_triton_on
     out2, idx2 = compiled(*args2)
     _check(out2, idx2, args2)
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+
+
+def _policy_layer(policy, param, quest_mode=0):
+    def layer(q, k, v, valid, retr, idx):
+        o, i = torch.ops.lychee.hybrid_decode(q, k, v, valid, retr, idx, 0.3, 16, 16, 32, policy, param, quest_mode, 2)
+        return o * 2, i
+    return layer
+
+
+@pytest.mark.parametrize("policy,param", [(1, 0.6), (2, 0.05), (3, 0.3)], ids=["topp", "threshold", "ratio"])
+def test_lowering_selection_policy_emits_kernels(inductor_triton_on_cpu, policy, param):
+    # issue 7: a policy other than top-K is a constexpr of the combine template, no longer an extern fallback
+    from torch._inductor.utils import run_and_get_code
+    register()
+    layer = _policy_layer(policy, param)
+    args = _case(K=6, seed=policy)
+    (out, idx), codes = run_and_get_code(torch.compile(layer, backend="inductor", fullgraph=True), *args)
+    _check(out, idx, args, layer)
+    assert (idx[0, 0] == -1).any(), "on this case every policy keeps fewer than K (top-K keeps all 6)"
+    code = "\n".join(codes)
+    for token in [f"POLICY : tl.constexpr = {policy}", f"PARAM : tl.constexpr = {param!r}",
+                  "def _lychee_keep_count(", "def _lychee_topp_count(", "triton_tem_fused_hybrid_decode_mul"]:
+        assert token in code, token
+    assert "torch.ops.lychee.hybrid_decode" not in code.split("def call(")[-1]
+
+
+def test_lowering_quest_still_falls_back_with_its_policy(inductor_triton_on_cpu):
+    # Quest has no template yet: the extern gets every argument (policy included), not the top-K defaults
+    from torch._inductor.utils import run_and_get_code
+    register()
+    layer = _policy_layer(3, 0.3, quest_mode=1)
+    args = _case(K=6)
+    (out, idx), codes = run_and_get_code(torch.compile(layer, backend="inductor", fullgraph=True), *args)
+    _check(out, idx, args, layer)
+    assert "triton_tem_fused_hybrid_decode" not in "\n".join(codes)
 
 
 def test_lowering_fp32_falls_back_to_reference(inductor_triton_on_cpu):
