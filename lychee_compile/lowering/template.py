@@ -330,8 +330,9 @@ def _lychee_keys(KEYS_ROW, NB, c, offs):
 
 @triton.jit
 def _lychee_mass(keys, G: tl.constexpr):
-    """A candidate's attention mass as policies.ranked_selection forms it (block score / G, fp32); 0 otherwise."""
-    return tl.where(keys >= 0, keys.to(tl.float32, bitcast=True) / G, 0.0)
+    """A candidate's attention mass as policies.ranked_selection forms it (block score / G, fp32); 0 otherwise.
+    div_rn: IEEE division like torch's (`/` compiles to the approximate div.full.f32 on CUDA)."""
+    return tl.where(keys >= 0, tl.div_rn(keys.to(tl.float32, bitcast=True), G), 0.0)
 
 
 @triton.jit
@@ -374,7 +375,7 @@ def _lychee_topp_count(KEYS_ROW, NB, P: tl.constexpr, G: tl.constexpr, NBR: tl.c
     for c in range(0, NB, NBR):      # sink / local blocks hold -score (see the key programs)
         keys = _lychee_keys(KEYS_ROW, NB, c, offs)
         fixed += tl.sum(tl.where(keys < -1, -keys.to(tl.float32, bitcast=True), 0.0), 0)
-    need = tl.maximum(P - fixed / G, 0.0)
+    need = tl.maximum(P - tl.div_rn(fixed, G), 0.0)
     tgt = need - 1e-6
     thr = tl.zeros([], tl.int32)
     for bit in range(31):
@@ -396,7 +397,7 @@ def _lychee_topp_count(KEYS_ROW, NB, P: tl.constexpr, G: tl.constexpr, NBR: tl.c
         neq += tl.sum((keys == thr).to(tl.int32), 0)
         total += tl.sum(_lychee_mass(keys, G), 0)
         above += tl.sum(tl.where(keys > thr, _lychee_mass(keys, G), 0.0), 0)
-    m_thr = thr.to(tl.float32, bitcast=True) / G
+    m_thr = tl.div_rn(thr.to(tl.float32, bitcast=True), G)
     ties = (tgt - above) / tl.where(m_thr > 0.0, m_thr, 1.0)     # NaN-free even where thr is meaningless
     n = ngt + _lychee_ceil(tl.minimum(tl.maximum(ties, 1.0), neq.to(tl.float32)))
     n = tl.where(total >= tgt, n, ncand)
