@@ -201,3 +201,31 @@ def test_lowering_end_to_end_gpu(G, D):
     args = _case(B=2, Hkv=4, G=G, D=D, T=5000, K=64, device="cuda")
     out, idx = torch.compile(_layer, backend="inductor", fullgraph=True)(*args)
     _check(out, idx, args)
+
+
+@pytest.mark.slow
+def test_lowering_compiled_model_with_policy(inductor_triton_on_cpu, monkeypatch):
+    # the whole pipeline (lychee_compile, backend="inductor") on a bf16 model with selection="topp": every
+    # lychee::hybrid_decode node becomes our two templates (counted at the lowering), none the extern fallback
+    from lychee_compile import HeadMap, LycheeConfig, lychee_compile
+    from lychee_compile.lowering import compat, lower
+    from tests.harness import generate_logits
+    from tests.models import make, make_batch
+    from tests.test_sparse_semantics import mixed_map
+    calls = []
+    fallback, select_one = lower._fallback, compat.select_one
+    monkeypatch.setattr(lower, "_fallback", lambda *a: (calls.append("fallback"), fallback(*a))[1])
+    monkeypatch.setattr(compat, "select_one", lambda name, *a: (calls.append(name), select_one(name, *a))[1])
+    cfg = dict(budget=16, block_size=2, sink_tokens=2, local_tokens=2, selection_param=0.6)
+    ids, mask = make_batch(lengths=(26, 17))
+    runs = {}
+    for backend, selection in (("eager", "topk"), ("eager", "topp"), ("inductor", "topp")):
+        model = make("llama", "sdpa").to(torch.bfloat16)
+        config = LycheeConfig(backend=backend, selection=selection, **cfg)
+        lychee_compile(model, HeadMap(mixed_map(model)).with_model_metadata(model), config)
+        runs[backend if selection == "topp" else selection] = generate_logits(model, ids, mask, 3)
+    n_layers = model.config.num_hidden_layers
+    assert calls.count("lychee_hybrid_combine") == n_layers and "fallback" not in calls, calls
+    assert torch.equal(runs["inductor"][0], runs["eager"][0])
+    assert (runs["inductor"][1].float() - runs["eager"][1].float()).abs().max().item() < 5e-2
+    assert not torch.equal(runs["topk"][1], runs["eager"][1]), "topp must select differently from top-K here"
