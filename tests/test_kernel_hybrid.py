@@ -48,13 +48,16 @@ def make_case(B, Hkv, G, D, T, dtype, block_size, K, sink, local, pads, retr, de
     return q, k, v, valid, retrieval, idx_in
 
 
-def check(q, k, v, valid, retrieval, idx_in, scale, block_size, sink, local, **kw):
+def check(q, k, v, valid, retrieval, idx_in, scale, block_size, sink, local, policy=0, policy_param=0.0,
+          exact_idx=False, **kw):
+    """Kernel vs reference. exact_idx: index states must be equal; otherwise only a tie at the threshold may differ."""
     if q.device.type == "cpu" and not ON_CPU:
         pytest.skip("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1, set on machines without CUDA)")
-    out, idx_out = hybrid_decode_triton(q, k, v, valid, retrieval, idx_in, scale, block_size, sink, local, **kw)
+    out, idx_out = hybrid_decode_triton(q, k, v, valid, retrieval, idx_in, scale, block_size, sink, local,
+                                        policy=policy, policy_param=policy_param, **kw)
     sel = kw.get("select")
     ref_out, ref_idx = hybrid_decode_reference(q.cpu(), k.cpu(), v.cpu(), valid.cpu(), retrieval.cpu(), idx_in.cpu(),
-                                               scale, block_size, sink, local,
+                                               scale, block_size, sink, local, policy, policy_param,
                                                select=None if sel is None else sel.cpu())
     out, idx_out = out.cpu(), idx_out.cpu()
     assert torch.isfinite(out.float()).all()
@@ -62,6 +65,7 @@ def check(q, k, v, valid, retrieval, idx_in, scale, block_size, sink, local, **k
     assert err < 1.5e-2, err
     assert (out.float() - ref_out.float()).abs().max().item() < 5e-2
     mismatch = idx_out != ref_idx
+    assert not (exact_idx and mismatch.any()), (policy, policy_param, idx_out, ref_idx)
     if mismatch.any():
         # allowed only where the reference's scores tie (to fp32 rounding) at the selection threshold
         sc = reference_block_scores(q.cpu(), k.cpu(), valid.cpu(), scale, block_size)
@@ -168,6 +172,50 @@ def test_kernel_head_map_is_runtime_data():
     assert template._standalone.cache_info().currsize - before <= 2
 
 
+# selection policies (issue 7): every value the acceptance asks for, on one case per dtype and group size
+POLICY_PARAMS = [("topp", 0.3), ("topp", 0.6), ("topp", 0.9), ("threshold", 0.01), ("threshold", 0.05),
+                 ("ratio", 0.1), ("ratio", 0.3), ("ratio", 1.0)]
+
+
+def check_policies(args, scale, bs, sink, local, **kw):
+    """Every policy of POLICY_PARAMS on one case, outputs poisoned first; index states must equal the reference's.
+    Returns how many blocks each (policy, row, head) kept, so callers can see the policies really differ."""
+    from lychee_compile.ops.policies import POLICIES
+    q, idx_in = args[0], args[5]
+    kept = {}
+    for name, param in POLICY_PARAMS:
+        out = torch.full_like(q, float("nan"))
+        idx_out = torch.full_like(idx_in, 7777)
+        _, idx = check(*args, scale, bs, sink, local, POLICIES[name], param, exact_idx=True, out=out,
+                       idx_out=idx_out, **kw)
+        kept[name, param] = (idx >= 0).sum(-1)
+    return kept
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("G", [1, 3, 4])
+def test_kernel_policies_match_reference(G, dtype):
+    # 16 blocks of 16, left padding in row 1; a sharp-ish score (scale 0.3) so masses differ between blocks
+    args = make_case(2, 2, G, 64, 256, dtype, 16, 8, 16, 32, [(0, 256), (37, 246)], [True, False], seed=G)
+    kept = check_policies(args, 0.3, 16, 16, 32, num_splits=5)
+    retr_kept = torch.stack([n[:, 0] for n in kept.values()])
+    assert (retr_kept < 8).any() and (retr_kept > 0).any() and len(set(retr_kept.flatten().tolist())) > 3
+    assert (kept["ratio", 0.1][:, 0] == torch.tensor([2, 2])).all()      # ceil(.1 * 16), ceil(.1 * 14)
+
+
+def test_kernel_policies_chunked_selection_path():
+    # NB > NBR: the policies' passes walk the keys in NBR chunks (and a short cache row 1)
+    args = make_case(2, 2, 3, 64, 400, torch.bfloat16, 16, 12, 16, 32, [(0, 400), (21, 391)], [True, True], seed=3)
+    check_policies(args, 0.3, 16, 16, 32, num_splits=6, nbr_max=16, block_n=32)
+
+
+def test_kernel_policies_empty_row_and_no_sink_local():
+    # an empty row keeps nothing under every policy; without sink/local blocks topp's fixed mass is 0
+    args = make_case(2, 2, 2, 64, 128, torch.float16, 16, 5, 0, 0, [(0, 128), (0, 0)], [True, False], seed=5)
+    kept = check_policies(args, 0.3, 16, 0, 0, num_splits=3)
+    assert all((n[1] == 0).all() for n in kept.values())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or ON_CPU, reason="needs CUDA (and TRITON_INTERPRET unset)")
 @pytest.mark.parametrize("G,D", [(4, 128), (1, 64), (7, 128), (8, 256)])
@@ -178,16 +226,29 @@ def test_kernel_gpu(G, D):
     check(*args, D ** -0.5, 16, 16, 64)
 
 
-def test_kernel_ties_prefer_lower_blocks():
-    # identical keys -> every full candidate block has exactly the same score: the lower blocks must win
-    B, Hkv, G, D, T, K = 1, 2, 2, 64, 256, 4
+def tie_case(K):
+    """Identical keys -> every full candidate block has exactly the same score. Valid positions [8, 256) in blocks
+    of 16: blocks 0-1 hold the 16 sink tokens, 14-15 the 32 local ones, candidates 2..13 each hold mass 16/248."""
+    B, Hkv, G, D, T = 1, 2, 2, 64, 256
     q = torch.randn(B, Hkv * G, 1, D).to(torch.bfloat16)
     k = torch.randn(1, 1, 1, D).expand(B, Hkv, T, D).contiguous().to(torch.bfloat16)
     v = torch.randn(B, Hkv, T, D).to(torch.bfloat16)
     valid = torch.zeros(B, T, dtype=torch.bool)
     valid[:, 8:] = True
     retr = torch.tensor([True, False])
-    idx_in = torch.full((B, Hkv, K), -1, dtype=torch.int32)
-    out, idx = check(q, k, v, valid, retr, idx_in, 0.125, 16, 16, 32, num_splits=3)
-    # block 0 is partial (score lower), block 1 holds sink tokens, blocks 14..15 local: first full candidates win
+    return q, k, v, valid, retr, torch.full((B, Hkv, K), -1, dtype=torch.int32)
+
+
+def test_kernel_ties_prefer_lower_blocks():
+    out, idx = check(*tie_case(4), 0.125, 16, 16, 32, num_splits=3)
+    # the lower candidates win the tie
     assert idx[0, 0].tolist() == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("policy,param,want", [(1, 0.6, [2, 3, 4, 5, 6, 7]), (2, 0.05, list(range(2, 10))),
+                                               (3, 0.3, [2, 3, 4, 5, 6])], ids=["topp", "threshold", "ratio"])
+def test_kernel_policies_ties_prefer_lower_blocks(policy, param, want):
+    # topp: fixed mass 56/248, need .374 -> 6 tied blocks (far from a boundary); threshold: all 12 pass, capped at
+    # K = 8; ratio: ceil(.3 * 16 valid blocks) = 5. Ties: the lower blocks.
+    out, idx = check(*tie_case(8), 0.125, 16, 16, 32, policy, param, exact_idx=True, num_splits=3)
+    assert idx[0, 0].tolist() == want + [-1] * (8 - len(want))

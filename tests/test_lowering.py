@@ -94,8 +94,8 @@ def _layer(q, k, v, valid, retr, idx):
     return o * 2, i
 
 
-def _check(out, idx, args):
-    ro, ri = _layer(*[a.cpu() for a in args])
+def _check(out, idx, args, layer=_layer):
+    ro, ri = layer(*[a.cpu() for a in args])
     err = ((out.float().cpu() - ro.float()).norm() / ro.float().norm()).item()
     assert err < 1.5e-2, err
     assert torch.equal(idx.cpu(), ri)
@@ -148,6 +148,41 @@ def test_lowering_head_map_is_runtime_data_and_sizes_symbolic(inductor_triton_on
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
 
 
+def _policy_layer(policy, param, quest_mode=0):
+    def layer(q, k, v, valid, retr, idx):
+        o, i = torch.ops.lychee.hybrid_decode(q, k, v, valid, retr, idx, 0.3, 16, 16, 32, policy, param, quest_mode, 2)
+        return o * 2, i
+    return layer
+
+
+@pytest.mark.parametrize("policy,param", [(1, 0.6), (2, 0.05), (3, 0.3)], ids=["topp", "threshold", "ratio"])
+def test_lowering_selection_policy_emits_kernels(inductor_triton_on_cpu, policy, param):
+    # issue 7: a policy other than top-K is a constexpr of the combine template, no longer an extern fallback
+    from torch._inductor.utils import run_and_get_code
+    register()
+    layer = _policy_layer(policy, param)
+    args = _case(K=6, seed=policy)
+    (out, idx), codes = run_and_get_code(torch.compile(layer, backend="inductor", fullgraph=True), *args)
+    _check(out, idx, args, layer)
+    assert (idx[0, 0] == -1).any(), "on this case every policy keeps fewer than K (top-K keeps all 6)"
+    code = "\n".join(codes)
+    for token in [f"POLICY : tl.constexpr = {policy}", f"PARAM : tl.constexpr = {param!r}",
+                  "def _lychee_keep_count(", "def _lychee_topp_count(", "triton_tem_fused_hybrid_decode_mul"]:
+        assert token in code, token
+    assert "torch.ops.lychee.hybrid_decode" not in code.split("def call(")[-1]
+
+
+def test_lowering_quest_still_falls_back_with_its_policy(inductor_triton_on_cpu):
+    # Quest has no template yet: the extern gets every argument (policy included), not the top-K defaults
+    from torch._inductor.utils import run_and_get_code
+    register()
+    layer = _policy_layer(3, 0.3, quest_mode=1)
+    args = _case(K=6)
+    (out, idx), codes = run_and_get_code(torch.compile(layer, backend="inductor", fullgraph=True), *args)
+    _check(out, idx, args, layer)
+    assert "triton_tem_fused_hybrid_decode" not in "\n".join(codes)
+
+
 def test_lowering_fp32_falls_back_to_reference(inductor_triton_on_cpu):
     from torch._inductor.utils import run_and_get_code
     register()
@@ -196,3 +231,31 @@ def test_lowering_row_extent_once_per_mask(inductor_triton_on_cpu):
     ref = (o1 + o2).float()
     assert ((out.float().cpu() - ref).norm() / ref.norm()).item() < 1.5e-2
     assert torch.equal(idx.cpu(), i2)
+
+
+@pytest.mark.slow
+def test_lowering_compiled_model_with_policy(inductor_triton_on_cpu, monkeypatch):
+    # the whole pipeline (lychee_compile, backend="inductor") on a bf16 model with selection="topp": every
+    # lychee::hybrid_decode node becomes our two templates (counted at the lowering), none the extern fallback
+    from lychee_compile import HeadMap, LycheeConfig, lychee_compile
+    from lychee_compile.lowering import compat, lower
+    from tests.harness import generate_logits
+    from tests.models import make, make_batch
+    from tests.test_sparse_semantics import mixed_map
+    calls = []
+    fallback, select_one = lower._fallback, compat.select_one
+    monkeypatch.setattr(lower, "_fallback", lambda *a: (calls.append("fallback"), fallback(*a))[1])
+    monkeypatch.setattr(compat, "select_one", lambda name, *a: (calls.append(name), select_one(name, *a))[1])
+    cfg = dict(budget=16, block_size=2, sink_tokens=2, local_tokens=2, selection_param=0.6)
+    ids, mask = make_batch(lengths=(26, 17))
+    runs = {}
+    for backend, selection in (("eager", "topk"), ("eager", "topp"), ("inductor", "topp")):
+        model = make("llama", "sdpa").to(torch.bfloat16)
+        config = LycheeConfig(backend=backend, selection=selection, **cfg)
+        lychee_compile(model, HeadMap(mixed_map(model)).with_model_metadata(model), config)
+        runs[backend if selection == "topp" else selection] = generate_logits(model, ids, mask, 3)
+    n_layers = model.config.num_hidden_layers
+    assert calls.count("lychee_hybrid_combine") == n_layers and "fallback" not in calls, calls
+    assert torch.equal(runs["inductor"][0], runs["eager"][0])
+    assert (runs["inductor"][1].float() - runs["eager"][1].float()).abs().max().item() < 5e-2
+    assert not torch.equal(runs["topk"][1], runs["eager"][1]), "topp must select differently from top-K here"

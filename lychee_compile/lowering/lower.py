@@ -82,23 +82,24 @@ def _int32(value: int, device):
 
 def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
                            policy=0, policy_param=0.0, quest_mode=0, quest_blocks=0, select=None):
-    # The templates implement the default top-K policy without Quest bounds; the rest runs the reference (extern).
-    if supported(q, k) is not None or policy != 0 or quest_mode != 0:
-        return _fallback(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
-                         policy, policy_param, quest_mode, quest_blocks, select)
+    # The templates implement every selection policy (a constexpr of the combine kernel) but no Quest bounds;
+    # Quest and unsupported inputs run the reference (extern), with all of the op's arguments.
+    args = (q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, policy, policy_param,
+            quest_mode, quest_blocks, select)
+    if supported(q, k) is not None or quest_mode != 0:
+        return _fallback(*args)
     B, Hq, _, D = q.get_size()
     T = k.get_size()[2]
     Hq, Hkv, D, K_sel = (compat.static_int(x) for x in (Hq, k.get_size()[1], D, idx_in.get_size()[2]))
     if D < 16 or D & (D - 1) or Hq % Hkv:
-        return _fallback(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
-                         policy, policy_param, quest_mode, quest_blocks, select)
+        return _fallback(*args)
     G = Hq // Hkv
     device = q.get_device()
     num_splits = 2 * compat.sm_count(device)
     nb_hint = -(-compat.size_hint(T) // int(block_size))
     sp, cp = kernel_params(G=G, Hkv=Hkv, D=D, K_sel=K_sel, block_size=int(block_size), sink_tokens=int(sink_tokens),
                            local_tokens=int(local_tokens), scale=float(scale), num_splits=num_splits,
-                           nb_hint=nb_hint)
+                           nb_hint=nb_hint, policy=int(policy), policy_param=float(policy_param))
     sp = dict(sp, DOT_UPCAST=interpreting())
     NB = compat.CeilDiv(T, int(block_size))
     f32, i32 = torch.float32, torch.int32

@@ -17,9 +17,10 @@ Two launches per layer:
   2. COMBINE grid (B * HKV, G + ceil(NB / KC)): programs (seg, g < G) merge query head g's partials into the
      output; for a retrieval head, programs (seg, G + c) turn blocks [c*KC, (c+1)*KC) into selection keys (block
      score = sum over the G query heads of exp2(block lse - row lse), normalised by the row's global log-sum-exp
-     rebuilt from the partials) and the last of them to finish (atomic ticket, zeroed by the split launch) selects
-     the top KSEL candidate blocks exactly (counting passes over the fp32 bit pattern, ties to the lower block),
-     sorted ascending, EMPTY-padded; for a sparse head program (seg, G) copies its index row through.
+     rebuilt from the partials) and the last of them to finish (atomic ticket, zeroed by the split launch) asks
+     the selection policy (POLICY, PARAM: topk / topp / threshold / ratio, ops/policies.py) how many candidates n
+     <= KSEL to keep and selects the top n exactly (counting passes over the fp32 bit pattern, ties to the lower
+     block), sorted ascending, EMPTY-padded; for a sparse head program (seg, G) copies its index row through.
 
 Preconditions (documented, not checked on the device): each row's valid positions are one contiguous range
 (left padding: [pad_b, pos+1)); idx_in rows hold distinct blocks (the index-state invariant).
@@ -44,6 +45,8 @@ GLOSSARY = '''
     # D        head dim (constexpr: 64/128/256)
     # BS       tokens per KV block             BLOCK_N tokens per tile (multiple of BS)   NBT = BLOCK_N // BS
     # KSEL     index-state width K             KP     KSEL padded to a power of two
+    # POLICY, PARAM  selection policy code (policies.POLICIES: 0 topk, 1 topp, 2 threshold, 3 ratio) and its
+    #          p / tau / theta: a retrieval head keeps the top n <= KSEL candidates (combine only)
     # SINK, LOCAL   sink / local token counts;  S_MAX, L_MAX  most blocks they can touch (ceil(n / BS) + 1, or 0)
     # SPARSE_COST work units per gathered tile in the pool (a streamed retrieval tile is 1 unit; 2 measured best
     #             on the H100: BENCHMARKS.md)       SEL_PACK  1: the selection's counting passes pack 3 counts in int64
@@ -58,7 +61,8 @@ GLOSSARY = '''
     # PM, PL  fp32 [B*HKV, NUM_SPLITS, G]   per-slot running max (log2 units) and sum of exp2
     # PACC    fp32 [B*HKV, NUM_SPLITS, G, D] per-slot unnormalised output
     # BLSE    fp32 [B, HKV, G, NB]   per-block log2-sum-exp2 of the scaled scores (retrieval heads)
-    # KEYS    int32 [B, HKV, NB]     selection keys: fp32 bits of the block score, -1 for non-candidates
+    # KEYS    int32 [B, HKV, NB]     selection keys: fp32 bits of the block score for candidates, of -score for
+    #                                sink / local blocks (negative ints), -1 for the other blocks
     # OUT     [B, HKV*G, 1, D] q.dtype
     # seg = b * HKV + h; tile lt of a segment covers virtual tokens [lt*BLOCK_N, (lt+1)*BLOCK_N)
     # sparse virtual blocks: [0, S_MAX) sink, [S_MAX, S_MAX+L_MAX) local, then KSEL inherited slots
@@ -243,7 +247,7 @@ COMBINE_SOURCE = '''
 ''' + GLOSSARY + '''
     # grid (B * HKV, G + NKC): program (seg, j < G) merges query head j of the segment's partials into OUT;
     # program (seg, G + c) of a retrieval head turns blocks [c*KC, (c+1)*KC) into selection keys, and the last of
-    # the NKC key programs to finish (atomic ticket in CNT, zeroed by the split kernel) runs the top-KSEL selection;
+    # the NKC key programs to finish (atomic ticket in CNT, zeroed by the split kernel) runs the policy's top-n;
     # for a sparse head program (seg, G) copies the index row through.
     B = {{size("VALID", 0)}}
     T = {{size("VALID", 1)}}
@@ -337,30 +341,121 @@ COMBINE_SOURCE = '''
             score = tl.sum(tl.exp2(lse - lse_row[:, None]), 0)
             cand = (blk < NBV) & (blk * BS < hi) & ((blk + 1) * BS > lo) & ((blk < sb0) | (blk >= sb1)) \\
                 & ((blk < lb0) | (blk >= lb1))
+            # sink / local blocks store the bits of -score (negative ints, never -1 = NaN bits): topp needs their
+            # mass (fixed_mass) and the counting passes ignore every negative key
+            fixed = ((blk >= sb0) & (blk < sb1)) | ((blk >= lb0) & (blk < lb1))
+            key = tl.where(cand, score.to(tl.int32, bitcast=True),
+                           tl.where(fixed, (-score).to(tl.int32, bitcast=True), -1))
             key_base = KEYS + seg.to(tl.int64) * NB
-            tl.store(key_base + blk, tl.where(cand, score.to(tl.int32, bitcast=True), -1), mask=blk < NBV)
+            tl.store(key_base + blk, key, mask=blk < NBV)
             tl.debug_barrier()
             ticket = tl.atomic_add(CNT + seg, 1)
             if ticket == NKC - 1:
                 tl.store(CNT + seg, 0)
-                _lychee_select(key_base, NBV, out_base, stride_ok, KSEL, KP, NBR, SEL_PACK)
+                n = _lychee_keep_count(key_base, NBV, lo, hi, POLICY, PARAM, KSEL, G, BS, NBR)
+                _lychee_select(key_base, NBV, out_base, stride_ok, n, KSEL, KP, NBR, SEL_PACK)
 ''' + '''
 
 @triton.jit
-def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, KSEL: tl.constexpr, KP: tl.constexpr, NBR: tl.constexpr,
+def _lychee_keys(KEYS_ROW, NB, c, offs):
+    """Keys [c, c + len(offs)) of a row, -1 past its end. ".cg": written by other programs of this launch."""
+    return tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
+
+
+@triton.jit
+def _lychee_mass(keys, G: tl.constexpr):
+    """A candidate's attention mass as policies.ranked_selection forms it (block score / G, fp32); 0 otherwise.
+    div_rn: IEEE division like torch's (`/` compiles to the approximate div.full.f32 on CUDA)."""
+    return tl.where(keys >= 0, tl.div_rn(keys.to(tl.float32, bitcast=True), G), 0.0)
+
+
+@triton.jit
+def _lychee_keep_count(KEYS_ROW, NB, lo, hi, POLICY: tl.constexpr, PARAM: tl.constexpr, KSEL: tl.constexpr,
+                       G: tl.constexpr, BS: tl.constexpr, NBR: tl.constexpr):
+    """n: how many of the ranked candidates the selection policy keeps (policies.keep_counts), capped at KSEL."""
+    offs = tl.arange(0, NBR)
+    if POLICY == 0:      # topk
+        n = tl.full([], KSEL, tl.int32)
+    elif POLICY == 1:    # topp
+        n = _lychee_topp_count(KEYS_ROW, NB, PARAM, G, NBR)
+    elif POLICY == 2:    # threshold: candidates whose mass >= tau (compared in fp32, as the reference)
+        n = tl.zeros([], tl.int32)
+        for c in range(0, NB, NBR):
+            keys = _lychee_keys(KEYS_ROW, NB, c, offs)
+            n += tl.sum(((keys >= 0) & (_lychee_mass(keys, G) >= PARAM)).to(tl.int32), 0)
+    else:                # ratio: ceil(theta * valid blocks); the row's valid positions are [lo, hi)
+        x = PARAM * tl.where(hi > lo, (hi - 1) // BS - lo // BS + 1, 0).to(tl.float32)
+        n = _lychee_ceil(x)
+    return tl.minimum(n, KSEL)
+
+
+@triton.jit
+def _lychee_ceil(x):
+    """ceil of a non-negative fp32 below 2^31 as int32 (no libdevice call: the interpreter and sm_90 agree)."""
+    n = x.to(tl.int32)
+    return n + (n.to(tl.float32) < x).to(tl.int32)
+
+
+@triton.jit
+def _lychee_topp_count(KEYS_ROW, NB, P: tl.constexpr, G: tl.constexpr, NBR: tl.constexpr):
+    # keep_counts' topp: need = max(p - fixed mass, 0), n = the shortest prefix of the ranking whose mass reaches
+    # need - 1e-6 (0 if need <= 0; every candidate if none does). 31 passes (one per key bit, high to low) find thr =
+    # the largest key such that the mass of the keys >= thr reaches the target, i.e. the last key the prefix needs;
+    # keys > thr are all kept, ties == thr (block order) as many as the remaining mass needs. The kernel sums in
+    # another order than the reference's cumsum: a prefix within fp32 rounding of the target may end one block
+    # apart (tests keep clear of that boundary).
+    offs = tl.arange(0, NBR)
+    fixed = tl.zeros([], tl.float32)
+    for c in range(0, NB, NBR):      # sink / local blocks hold -score (see the key programs)
+        keys = _lychee_keys(KEYS_ROW, NB, c, offs)
+        fixed += tl.sum(tl.where(keys < -1, -keys.to(tl.float32, bitcast=True), 0.0), 0)
+    need = tl.maximum(P - tl.div_rn(fixed, G), 0.0)
+    tgt = need - 1e-6
+    thr = tl.zeros([], tl.int32)
+    for bit in range(31):
+        trial = thr | (tl.full([], 1, tl.int32) << (30 - bit))
+        mass = tl.zeros([], tl.float32)
+        for c in range(0, NB, NBR):
+            keys = _lychee_keys(KEYS_ROW, NB, c, offs)
+            mass += tl.sum(tl.where(keys >= trial, _lychee_mass(keys, G), 0.0), 0)
+        thr = tl.where(mass >= tgt, trial, thr)
+    ncand = tl.zeros([], tl.int32)
+    ngt = tl.zeros([], tl.int32)
+    neq = tl.zeros([], tl.int32)
+    total = tl.zeros([], tl.float32)
+    above = tl.zeros([], tl.float32)
+    for c in range(0, NB, NBR):
+        keys = _lychee_keys(KEYS_ROW, NB, c, offs)
+        ncand += tl.sum((keys >= 0).to(tl.int32), 0)
+        ngt += tl.sum((keys > thr).to(tl.int32), 0)
+        neq += tl.sum((keys == thr).to(tl.int32), 0)
+        total += tl.sum(_lychee_mass(keys, G), 0)
+        above += tl.sum(tl.where(keys > thr, _lychee_mass(keys, G), 0.0), 0)
+    m_thr = tl.div_rn(thr.to(tl.float32, bitcast=True), G)
+    ties = (tgt - above) / tl.where(m_thr > 0.0, m_thr, 1.0)     # NaN-free even where thr is meaningless
+    n = ngt + _lychee_ceil(tl.minimum(tl.maximum(ties, 1.0), neq.to(tl.float32)))
+    n = tl.where(total >= tgt, n, ncand)
+    # need in (0, 1e-6]: the reference's first cumsum entry (>= 0) already reaches the target
+    n = tl.where(tgt <= 0.0, 1, n)
+    return tl.where(need <= 0.0, 0, n)
+
+
+@triton.jit
+def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, KP: tl.constexpr, NBR: tl.constexpr,
                    SEL_PACK: tl.constexpr):
-    # Top-KSEL of the int32 keys of one row (larger first, ties to the lower block; -1 = not a candidate), written
-    # ascending and EMPTY-padded. Exact: 31 counting passes (one per key bit, high to low) find the KSEL-th largest
-    # key thr; then keys > thr and the first (KSEL - #greater) keys == thr in block order are taken. A row of up to
-    # NBR keys stays in registers; a longer one is walked in NBR chunks per pass (same result, slower).
+    # Top-n (n <= KSEL, runtime) of the int32 keys of one row (larger first, ties to the lower block; negative = not
+    # a candidate), written ascending and EMPTY-padded to KSEL. Exact: 31 counting passes (one per key bit, high to
+    # low) find the n-th largest key thr; then keys > thr and the first (n - #greater) keys == thr in block order
+    # are taken (no passes at all when every candidate fits). A row of up to NBR keys stays in registers; a longer
+    # one is walked in NBR chunks per pass (same result, slower).
     offs = tl.arange(0, NBR)
     zero = tl.zeros([], tl.int32)
     thr = zero
     ngt = zero
     if NB <= NBR:
-        keys = tl.load(KEYS_ROW + offs, mask=offs < NB, other=-1, cache_modifier=".cg")
+        keys = _lychee_keys(KEYS_ROW, NB, 0, offs)
         ncand = tl.sum((keys >= 0).to(tl.int32), 0)
-        if ncand > KSEL:   # else every candidate is taken: no threshold to find (short rows)
+        if ncand > n:   # else every candidate is taken: no threshold to find (short rows)
             # two bits per pass (three independent counts), bits 30..1, then bit 0. SEL_PACK: the three counts
             # (each <= NBR <= 2^14) packed into one int64 sum -- one block-wide reduction per pass instead of three
             for i in range(15):
@@ -377,35 +472,35 @@ def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, KSEL: tl.constexpr, KP: tl.c
                     c1 = tl.sum((keys >= (thr | one)).to(tl.int32), 0)
                     c2 = tl.sum((keys >= (thr | (one * 2))).to(tl.int32), 0)
                     c3 = tl.sum((keys >= (thr | (one * 3))).to(tl.int32), 0)
-                d = (c1 >= KSEL).to(tl.int32) + (c2 >= KSEL).to(tl.int32) + (c3 >= KSEL).to(tl.int32)
+                d = (c1 >= n).to(tl.int32) + (c2 >= n).to(tl.int32) + (c3 >= n).to(tl.int32)
                 thr = thr | (d << sh)
             c0 = tl.sum((keys >= (thr | 1)).to(tl.int32), 0)
-            thr = tl.where(c0 >= KSEL, thr | 1, thr)
+            thr = tl.where(c0 >= n, thr | 1, thr)
             ngt = tl.sum((keys > thr).to(tl.int32), 0)
     else:
         ncand = zero
         for c in range(0, NB, NBR):
-            keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
+            keys = _lychee_keys(KEYS_ROW, NB, c, offs)
             ncand += tl.sum((keys >= 0).to(tl.int32), 0)
-        if ncand > KSEL:
+        if ncand > n:
             for bit in range(31):
                 trial = thr | (tl.full([], 1, tl.int32) << (30 - bit))
                 cnt = zero
                 for c in range(0, NB, NBR):
-                    keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
+                    keys = _lychee_keys(KEYS_ROW, NB, c, offs)
                     cnt += tl.sum((keys >= trial).to(tl.int32), 0)
-                thr = tl.where(cnt >= KSEL, trial, thr)
+                thr = tl.where(cnt >= n, trial, thr)
             for c in range(0, NB, NBR):
-                keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
+                keys = _lychee_keys(KEYS_ROW, NB, c, offs)
                 ngt += tl.sum((keys > thr).to(tl.int32), 0)
-    take_all = ncand <= KSEL
-    need = KSEL - ngt
+    take_all = ncand <= n
+    need = n - ngt
     # write: positions ascend with the block number. One scan: taken count (low 16 bits) and ties at thr seen so
     # far (high bits) packed together (both <= NBR <= 2^14)
     eq_before = zero
     ntaken = zero
     for c in range(0, NB, NBR):
-        keys = tl.load(KEYS_ROW + c + offs, mask=c + offs < NB, other=-1, cache_modifier=".cg")
+        keys = _lychee_keys(KEYS_ROW, NB, c, offs)
         eq = ((keys == thr) & (~take_all)).to(tl.int32)
         gt = tl.where(take_all, keys >= 0, keys > thr).to(tl.int32)
         scan = tl.cumsum(gt + (eq << 16), 0)                       # inclusive
@@ -435,7 +530,8 @@ def _next_pow2(n: int) -> int:
 @functools.lru_cache(maxsize=None)
 def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink_tokens: int, local_tokens: int,
                   scale: float, num_splits: int, nb_hint: int, block_n: int = 64, nbr_max: int = 16384,
-                  blse_sums: int = 0, sparse_cost: int = 2, sel_pack: int = 1):
+                  blse_sums: int = 0, sparse_cost: int = 2, sel_pack: int = 1, policy: int = 0,
+                  policy_param: float = 0.0):
     """Constexpr parameters shared by both kernels (a plain dict, hashable inputs only)."""
     bs = int(block_size)
     block_n = max(int(block_n), bs)
@@ -450,8 +546,9 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
     )
     split = dict(common, QK_SCALE_LOG2=float(scale) * 1.4426950408889634, DOT_UPCAST=interpreting(),
                  BLSE_SUMS=int(blse_sums))
-    combine = dict(common, SEL_PACK=int(sel_pack), SC=64, NSP=_next_pow2(num_splits), KC=max(16, min(1024, _next_pow2(nb_hint))),
-                   NBR=max(16, min(nbr_max, _next_pow2(nb_hint))))
+    combine = dict(common, SEL_PACK=int(sel_pack), SC=64, NSP=_next_pow2(num_splits),
+                   KC=max(16, min(1024, _next_pow2(nb_hint))), NBR=max(16, min(nbr_max, _next_pow2(nb_hint))),
+                   POLICY=int(policy), PARAM=float(policy_param) if policy else 0.0)   # topk ignores the param
     return split, combine
 
 
@@ -578,7 +675,8 @@ def _arg_values(args, tensors):
 
 def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, out=None,
                    idx_out=None, num_splits=None, block_n=64, nbr_max=16384, ws=None, split_warps=4,
-                   split_stages=3, combine_warps=16, blse_sums=0, sparse_cost=2, sel_pack=1, select=None):
+                   split_stages=3, combine_warps=16, blse_sums=0, sparse_cost=2, sel_pack=1, select=None,
+                   policy=0, policy_param=0.0):
     """Bind both kernels to fixed buffers: returns (split(), combine(), out, idx_out). Nothing is allocated per
     call, so the pair can be captured in a CUDA graph."""
     import torch
@@ -592,7 +690,7 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
     sp, cp = kernel_params(G=G, Hkv=Hkv, D=D, K_sel=K_sel, block_size=block_size, sink_tokens=sink_tokens,
                            local_tokens=local_tokens, scale=float(scale), num_splits=num_splits, nb_hint=nb,
                            block_n=block_n, nbr_max=nbr_max, blse_sums=blse_sums, sparse_cost=sparse_cost,
-                           sel_pack=sel_pack)
+                           sel_pack=sel_pack, policy=policy, policy_param=policy_param)
     if ws is None:
         ws = workspace(B, Hkv, G, D, T, block_size, num_splits, q.device)
     out = torch.empty_like(q) if out is None else out
