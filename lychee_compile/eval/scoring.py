@@ -17,6 +17,7 @@ import dataclasses
 
 import torch
 
+from ..state_buffers import HEAT_ATTR
 from .methods import MethodSpec
 
 
@@ -130,7 +131,7 @@ class Variant:
         fetched again so a rectification wrapper (rectify_every > 0) starts with no pending tokens."""
         if self.spec.config is None:
             return self.call
-        heat = getattr(self.model, "_lychee_heat", None)
+        heat = getattr(self.model, HEAT_ATTR, None)
         if heat is not None:
             heat.zero_()
         return self.model.get_compiled_call(self.model.generation_config.compile_config)
