@@ -35,3 +35,21 @@ def test_only_global_layers_are_rewritten_and_sliding_ones_are_logged(caplog):
     logged = [r.getMessage() for r in caplog.records if "rewritten, sliding-window layers" in r.getMessage()]
     assert logged and all(f"layers {full} rewritten, sliding-window layers {sliding} left as they are" in m
                           for m in logged)
+
+
+def test_eval_results_report_global_and_sliding_layers():
+    """`lychee eval` writes each variant's global layers and sliding-site count into its results."""
+    from lychee_compile.eval.methods import method_spec
+    from lychee_compile.eval.runner import run_eval
+    from lychee_compile.eval.tasks import Item
+    from lychee_compile.head_map import HeadMap
+    from tests.models import make
+
+    base = make("gemma3", "sdpa")
+    torch.manual_seed(0)
+    items = [Item(torch.randint(3, 128, (1, 24)), [5, 6, 7], 32, dict(length=24, depth=0.5, trial=0, seed=0))]
+    hm = HeadMap(torch.tensor([[False], [True], [False], [False]])).with_model_metadata(base)
+    spec = method_spec("lychee", base, 4, hm, block_size=2, sink_tokens=2, local_tokens=2)
+    c = run_eval(base, None, items, [spec], progress=False, task="passkey")["counters"]["lychee@4"]
+    assert c["global_layers"] == [1, 3] and c["graphs_left_dense"] == 0
+    assert c["sites_rewritten"] == 2 * c["decode_graphs"] and c["sites_sliding"] == 2 * c["decode_graphs"]
