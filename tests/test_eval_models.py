@@ -123,3 +123,12 @@ def test_real_gemma_tokenizer_passkey_prompt():
     assert text.endswith("Answer: The pass key is")
     # the targets are exactly how the key is tokenized after the prompt (greedy decoding would write these ids)
     assert tok(text + " " + it.meta["passkey"], add_special_tokens=False).input_ids == ids[1:] + it.targets
+
+
+def test_cli_model_option_missing_file_is_an_error_not_a_fallback(tmp_path, monkeypatch, capsys):
+    from lychee_compile.cli import main
+    monkeypatch.setenv("LYCHEE_CACHE", str(tmp_path / "cache"))
+    rc = main(["eval", "--task", "passkey", "--model", str(tmp_path / "none.gguf"), "--verbose", "--no-progress",
+               "--out", str(tmp_path / "out")])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

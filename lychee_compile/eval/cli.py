@@ -56,6 +56,9 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="eval_out", help="output folder (default eval_out)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--verbose", action="store_true",
+                   help="log lychee_compile's per-graph lines (which layers were rewritten, which sliding-window "
+                        "layers were left as they are) to stderr")
     p.set_defaults(func=run)
 
 
@@ -74,6 +77,13 @@ def run(args) -> int:
     from .tasks import passkey_items, repeat_items, text_items
 
     torch.set_num_threads(args.threads)
+    if args.verbose:
+        import logging
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger = logging.getLogger("lychee_compile")
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     try:
         model, tok, entry = load_eval_model(args.model, progress=not args.no_progress, sha256=args.sha256)
     except RealModelUnavailable as exc:
