@@ -132,3 +132,15 @@ def test_cli_model_option_missing_file_is_an_error_not_a_fallback(tmp_path, monk
                "--out", str(tmp_path / "out")])
     assert rc == 2 and "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_smollm2_prompts_are_unchanged_by_the_prefix_rule():
+    """SmolLM2's tokenizer adds nothing before a text, so its passkey/repeat items (and the numbers measured before
+    the prefix rule) are token-for-token what they were."""
+    if not real_model._cache_complete(real_model.cache_dir()):
+        pytest.skip(f"SmolLM2 fp32 cache not at {real_model.cache_dir()} (run `lychee eval` once to make it)")
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(real_model.cache_dir())
+    assert tasks.prompt_prefix_ids(tok) == []
+    it = tasks.repeat_items(tok, length=256, n=1, score_tokens=8)[0]
+    assert it.input_ids.shape[1] == 256 + 128
