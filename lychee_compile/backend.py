@@ -24,8 +24,9 @@ def make_backend(model, config, retrieval: torch.Tensor, streaming: torch.Tensor
         ctx = run_passes(PassContext(gm, model, config, retrieval, counters, streaming=streaming))
         if ctx.is_decode and not ctx.aborted:
             snapshots.append(graph_snapshot(gm))
-        log.info("lychee_compile: graph %d (%s): %d sites, %d rewritten in total", counters.graphs,
-                 "decode" if ctx.is_decode else "prefill", len(ctx.sites), counters.sites_rewritten)
+        log.info("lychee_compile: graph %d (%s): %d sites%s; %d rewritten in total", counters.graphs,
+                 "decode" if ctx.is_decode else "prefill", len(ctx.sites), _site_kinds(ctx),
+                 counters.sites_rewritten)
         compiled = gm.forward if config.backend == "eager" else _inductor(gm, example_inputs, config.cuda_graphs)
         if not (ctx.is_decode and not ctx.aborted):
             return compiled
@@ -37,6 +38,16 @@ def make_backend(model, config, retrieval: torch.Tensor, streaming: torch.Tensor
 
     lychee_backend.__name__ = f"lychee_backend_{config.cache_key()}_{head_map_digest}"
     return lychee_backend
+
+
+def _site_kinds(ctx) -> str:
+    """', layers rewritten [..], sliding-window layers left as they are [..]' for a decode graph (the log names both,
+    so a hybrid model's untouched sliding layers are visible, not silent)."""
+    if not ctx.is_decode or ctx.aborted:
+        return f" (left dense: {ctx.aborted})" if ctx.aborted else ""
+    rewritten = [s.layer_idx for s in ctx.sites if s.kind == "global"]
+    sliding = [s.layer_idx for s in ctx.sites if s.kind == "sliding"]
+    return f": layers {rewritten} rewritten, sliding-window layers {sliding} left as they are"
 
 
 def _inductor(gm, example_inputs, cuda_graphs: bool):

