@@ -306,7 +306,6 @@ def main():
             "ours": {},
             "cost1": dict(sparse_cost=1),
             "cost3": dict(sparse_cost=3),
-            "nopack": dict(sel_pack=0),
             "cw8": dict(combine_warps=8),
             "cw32": dict(combine_warps=32),
             "cost2_s3x": dict(num_splits=3 * sms),

@@ -49,7 +49,7 @@ GLOSSARY = '''
     #          p / tau / theta: a retrieval head keeps the top n <= KSEL candidates (combine only)
     # SINK, LOCAL   sink / local token counts;  S_MAX, L_MAX  most blocks they can touch (ceil(n / BS) + 1, or 0)
     # SPARSE_COST work units per gathered tile in the pool (a streamed retrieval tile is 1 unit; 2 measured best
-    #             on the H100: BENCHMARKS.md)       SEL_PACK  1: the selection's counting passes pack 3 counts in int64
+    #             on the H100: BENCHMARKS.md)
     # BLSE_SUMS   0: block sums of a tile by reshape, 1: by NBT masked row sums (a tuning variant, same math)
     # NUM_SPLITS  programs of the split launch (fixed grid, from the SM count); a segment's partials use slots
     #             [0, splits touching it) of its NUM_SPLITS-wide row
@@ -353,7 +353,7 @@ COMBINE_SOURCE = '''
             if ticket == NKC - 1:
                 tl.store(CNT + seg, 0)
                 n = _lychee_keep_count(key_base, NBV, lo, hi, POLICY, PARAM, KSEL, G, BS, NBR)
-                _lychee_select(key_base, NBV, out_base, stride_ok, n, KSEL, KP, NBR, SEL_PACK)
+                _lychee_select(key_base, NBV, out_base, stride_ok, n, KSEL, KP, NBR)
 ''' + '''
 
 @triton.jit
@@ -441,8 +441,7 @@ def _lychee_topp_count(KEYS_ROW, NB, P: tl.constexpr, G: tl.constexpr, NBR: tl.c
 
 
 @triton.jit
-def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, KP: tl.constexpr, NBR: tl.constexpr,
-                   SEL_PACK: tl.constexpr):
+def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, KP: tl.constexpr, NBR: tl.constexpr):
     # Top-n (n <= KSEL, runtime) of the int32 keys of one row (larger first, ties to the lower block; negative = not
     # a candidate), written ascending and EMPTY-padded to KSEL. Exact: 31 counting passes (one per key bit, high to
     # low) find the n-th largest key thr; then keys > thr and the first (n - #greater) keys == thr in block order
@@ -456,22 +455,17 @@ def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, KP: t
         keys = _lychee_keys(KEYS_ROW, NB, 0, offs)
         ncand = tl.sum((keys >= 0).to(tl.int32), 0)
         if ncand > n:   # else every candidate is taken: no threshold to find (short rows)
-            # two bits per pass (three independent counts), bits 30..1, then bit 0. SEL_PACK: the three counts
-            # (each <= NBR <= 2^14) packed into one int64 sum -- one block-wide reduction per pass instead of three
+            # two bits per pass, bits 30..1, then bit 0: the pass's three counts (each <= NBR <= 2^14) packed into
+            # one int64 sum -- one block-wide reduction per pass instead of three
             for i in range(15):
                 sh = 29 - 2 * i
                 one = tl.full([], 1, tl.int32) << sh
-                if SEL_PACK:
-                    tot = tl.sum((keys >= (thr | one)).to(tl.int64)
-                                 + ((keys >= (thr | (one * 2))).to(tl.int64) << 21)
-                                 + ((keys >= (thr | (one * 3))).to(tl.int64) << 42), 0)
-                    c1 = (tot & 0x1FFFFF).to(tl.int32)
-                    c2 = ((tot >> 21) & 0x1FFFFF).to(tl.int32)
-                    c3 = (tot >> 42).to(tl.int32)
-                else:
-                    c1 = tl.sum((keys >= (thr | one)).to(tl.int32), 0)
-                    c2 = tl.sum((keys >= (thr | (one * 2))).to(tl.int32), 0)
-                    c3 = tl.sum((keys >= (thr | (one * 3))).to(tl.int32), 0)
+                tot = tl.sum((keys >= (thr | one)).to(tl.int64)
+                             + ((keys >= (thr | (one * 2))).to(tl.int64) << 21)
+                             + ((keys >= (thr | (one * 3))).to(tl.int64) << 42), 0)
+                c1 = (tot & 0x1FFFFF).to(tl.int32)
+                c2 = ((tot >> 21) & 0x1FFFFF).to(tl.int32)
+                c3 = (tot >> 42).to(tl.int32)
                 d = (c1 >= n).to(tl.int32) + (c2 >= n).to(tl.int32) + (c3 >= n).to(tl.int32)
                 thr = thr | (d << sh)
             c0 = tl.sum((keys >= (thr | 1)).to(tl.int32), 0)
@@ -530,7 +524,7 @@ def _next_pow2(n: int) -> int:
 @functools.lru_cache(maxsize=None)
 def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink_tokens: int, local_tokens: int,
                   scale: float, num_splits: int, nb_hint: int, block_n: int = 64, nbr_max: int = 16384,
-                  blse_sums: int = 0, sparse_cost: int = 2, sel_pack: int = 1, policy: int = 0,
+                  blse_sums: int = 0, sparse_cost: int = 2, policy: int = 0,
                   policy_param: float = 0.0):
     """Constexpr parameters shared by both kernels (a plain dict, hashable inputs only)."""
     bs = int(block_size)
@@ -546,7 +540,7 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
     )
     split = dict(common, QK_SCALE_LOG2=float(scale) * 1.4426950408889634, DOT_UPCAST=interpreting(),
                  BLSE_SUMS=int(blse_sums))
-    combine = dict(common, SEL_PACK=int(sel_pack), SC=64, NSP=_next_pow2(num_splits),
+    combine = dict(common, SC=64, NSP=_next_pow2(num_splits),
                    KC=max(16, min(1024, _next_pow2(nb_hint))), NBR=max(16, min(nbr_max, _next_pow2(nb_hint))),
                    POLICY=int(policy), PARAM=float(policy_param) if policy else 0.0)   # topk ignores the param
     return split, combine
@@ -675,7 +669,7 @@ def _arg_values(args, tensors):
 
 def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, out=None,
                    idx_out=None, num_splits=None, block_n=64, nbr_max=16384, ws=None, split_warps=4,
-                   split_stages=3, combine_warps=16, blse_sums=0, sparse_cost=2, sel_pack=1, select=None,
+                   split_stages=3, combine_warps=16, blse_sums=0, sparse_cost=2, select=None,
                    policy=0, policy_param=0.0):
     """Bind both kernels to fixed buffers: returns (split(), combine(), out, idx_out). Nothing is allocated per
     call, so the pair can be captured in a CUDA graph."""
@@ -690,7 +684,7 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
     sp, cp = kernel_params(G=G, Hkv=Hkv, D=D, K_sel=K_sel, block_size=block_size, sink_tokens=sink_tokens,
                            local_tokens=local_tokens, scale=float(scale), num_splits=num_splits, nb_hint=nb,
                            block_n=block_n, nbr_max=nbr_max, blse_sums=blse_sums, sparse_cost=sparse_cost,
-                           sel_pack=sel_pack, policy=policy, policy_param=policy_param)
+                           policy=policy, policy_param=policy_param)
     if ws is None:
         ws = workspace(B, Hkv, G, D, T, block_size, num_splits, q.device)
     out = torch.empty_like(q) if out is None else out
