@@ -49,11 +49,11 @@ def random_index(B, T, K, device):
     lo_blk = -(-SINK // BS)
     hi_blk = (T - LOCAL) // BS
     cand = torch.arange(lo_blk, hi_blk, device=device)
-    idx = torch.empty(B, HKV, K, dtype=torch.int32, device=device)
+    idx = torch.full((B, HKV, K), -1, dtype=torch.int32, device=device)      # EMPTY-padded if K > candidates
     for b in range(B):
         for h in range(HKV):
             perm = cand[torch.randperm(len(cand), device=device)[:K]]
-            idx[b, h] = torch.sort(perm).values.to(torch.int32)
+            idx[b, h, :len(perm)] = torch.sort(perm).values.to(torch.int32)
     return idx
 
 
@@ -166,8 +166,11 @@ def check_once(B, Hkv, Gq, Dh, T, K, retr, pads, dtype=torch.bfloat16, **kw):
 
 
 # ------------------------------------------------------------------------------------------------ benchmark
-def bench_config(T, B, n_retr, budget, bw, variants=None, time_baselines=True, cache=None, parts=True):
+def bench_config(T, B, n_retr, budget, bw, variants=None, time_baselines=True, cache=None, parts=True, cap=None):
+    """One row. T valid tokens per row; cap (>= T, default T) the cache length they sit in (the decode step's
+    situation: a 4K prompt in a 128K static cache)."""
     dev = "cuda"
+    cap = T if cap is None else cap
     K = budget // BS
     scale = D ** -0.5
     kv_bytes_full = B * HKV * T * D * 2 * 2
@@ -175,28 +178,31 @@ def bench_config(T, B, n_retr, budget, bw, variants=None, time_baselines=True, c
     ours_bytes = B * D * 2 * 2 * (n_retr * T + (HKV - n_retr) * min(sparse_tok, T))
     n_sets = n_sets_for(ours_bytes)
     free = torch.cuda.mem_get_info()[0]
-    n_sets = max(1, min(n_sets, int(0.5 * free // (kv_bytes_full + 1))))
+    n_sets = max(1, min(n_sets, int(0.5 * free // (kv_bytes_full * cap // T + 1))))
     sets = []
     for _ in range(n_sets):
         q = rand(B, HQ, 1, D)
-        k = rand(B, HKV, T, D)
-        v = rand(B, HKV, T, D)
+        k = rand(B, HKV, cap, D)
+        v = rand(B, HKV, cap, D)
         sets.append((q, k, v))
-    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+    valid = torch.zeros(B, cap, dtype=torch.bool, device=dev)
+    valid[:, :T] = True
     retrieval = torch.zeros(HKV, dtype=torch.bool, device=dev)
     retrieval[:n_retr] = True
     idx_in = random_index(B, T, K, dev)
-    row = dict(T=T, B=B, n_retr=n_retr, share=n_retr / HKV, budget=budget, n_sets=n_sets,
+    row = dict(T=T, cap=cap, B=B, n_retr=n_retr, share=n_retr / HKV, budget=budget, n_sets=n_sets,
                ours_bytes=ours_bytes, dense_bytes=kv_bytes_full)
     row["floor_ours_ms"] = ours_bytes / bw * 1e3
     row["floor_dense_ms"] = kv_bytes_full / bw * 1e3
     variants = variants or {"ours": {}}
     for name, kw in variants.items():
         launchers = []
-        ws = workspace(B, HKV, G, D, T, BS, kw.get("num_splits") or 2 * torch.cuda.get_device_properties(0).multi_processor_count, dev)
+        ws = workspace(B, HKV, G, D, cap, BS, kw.get("num_splits") or 2 * torch.cuda.get_device_properties(0).multi_processor_count, dev)
         for (q, k, v) in sets:
             launchers.append(make_launchers(q, k, v, valid, retrieval, idx_in, scale, BS, SINK, LOCAL, ws=ws, **kw))
         row[f"{name}_ms"] = time_calls([(lambda s=s, c=c: (s(), c())) for s, c, _, _ in launchers])
+        if name != "ours":
+            row[f"{name}_combine_ms"] = time_calls([c for _, c, _, _ in launchers])
         if name == "ours" and parts:
             row["ours_split_ms"] = time_calls([s for s, _, _, _ in launchers])
             row["ours_combine_ms"] = time_calls([c for _, c, _, _ in launchers])
@@ -221,7 +227,7 @@ def bench_config(T, B, n_retr, budget, bw, variants=None, time_baselines=True, c
                             with sdpa_kernel(backend):
                                 F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
                         return f
-                    base[f"{bname}_ms"] = time_calls([mk(*s) for s in sets])
+                    base[f"{bname}_ms"] = time_calls([mk(q, k[:, :, :T], v[:, :, :T]) for q, k, v in sets])
                 except Exception as e:  # noqa: BLE001
                     base[f"{bname}_ms"] = None
                     base[f"{bname}_error"] = repr(e)[:300]
@@ -234,10 +240,11 @@ def bench_config(T, B, n_retr, budget, bw, variants=None, time_baselines=True, c
         loc_b = torch.arange((T - LOCAL) // BS, nb, device=dev)
         blocks = torch.cat([sink_b[None, None].expand(B, HKV - n_retr, -1), idx_in[:, n_retr:].long(),
                             loc_b[None, None].expand(B, HKV - n_retr, -1)], -1)
-        tok = (blocks[..., None] * BS + torch.arange(BS, device=dev)).flatten(-2).clamp_max(T - 1)
+        tok = (blocks[..., None] * BS + torch.arange(BS, device=dev)).flatten(-2).clamp(0, T - 1)
         tokx = tok[..., None].expand(-1, -1, -1, D)
 
         def mkg(q, k, v):
+            k, v = k[:, :, :T], v[:, :, :T]
             def f():
                 outs = []
                 if n_retr:
@@ -272,6 +279,10 @@ def main():
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--tune", action="store_true", help="time kernel variants on the headline configs")
     ap.add_argument("--profile", action="store_true", help="torch.profiler kernel times of the headline config")
+    ap.add_argument("--variants", default=None, help='extra kernel variants timed beside ours on every row, JSON '
+                    '{"name": {make_launchers keyword: value}}, e.g. \'{"cw8": {"combine_warps": 8}}\'')
+    ap.add_argument("--rows", default=None, help="only these rows: T:B:n_retr:budget[:cap],... (cap = cache length "
+                    "the T valid tokens sit in, default T)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
@@ -321,19 +332,25 @@ def main():
     batches = [1, 2, 4]
     shares = [1, 2, 4]
     budgets = [1024, 2048, 4096]
-    if args.quick:
+    if args.rows:
+        grid = [tuple(int(x) for x in r.split(":")) for r in args.rows.split(",")]
+    elif args.quick:
         grid = [(131072, 1, 2, 4096), (131072, 1, 1, 4096), (131072, 1, 8, 4096), (131072, 4, 1, 4096),
                 (32768, 2, 2, 2048), (16384, 4, 4, 1024)]
     else:
         grid = [(T, B, nr, bud) for T in ctxs for B in batches for nr in shares for bud in budgets]
     cache = {}
-    for T, B, nr, bud in grid:
-        r = bench_config(T, B, nr, bud, bw, cache=cache, parts=(bud == 4096))
+    for T, B, nr, bud, *cap in grid:
+        variants = dict({"ours": {}}, **json.loads(args.variants)) if args.variants else None
+        r = bench_config(T, B, nr, bud, bw, cache=cache, parts=(bud == 4096 or bool(args.rows)),
+                         cap=cap[0] if cap else None, variants=variants)
         results["rows"].append(r)
-        print(f"T={T:6d} B={B} retr={nr}/8 budget={bud}: ours {r['ours_ms']:.4f} ms ({r['ours_pct_of_floor']:.0f}% "
+        print(f"T={T:6d} cap={r['cap']} B={B} retr={nr}/8 budget={bud}: ours {r['ours_ms']:.4f} ms ({r['ours_pct_of_floor']:.0f}% "
               f"of floor {r['floor_ours_ms']:.4f}) split {r.get('ours_split_ms')} combine {r.get('ours_combine_ms')} "
               f"| cudnn {r.get('cudnn_ms')} flash {r.get('flash_ms')} gather {r.get('gather_ms')} "
-              f"| x{r.get('speedup_vs_cudnn', float('nan')):.2f} vs cudnn  [{time.time() - t_start:.0f}s]", flush=True)
+              f"| x{r.get('speedup_vs_cudnn', float('nan')):.2f} vs cudnn "
+              + "".join(f"| {k} {v:.4f} " for k, v in r.items() if k.endswith("_ms") and not k.startswith(("ours", "floor", "cudnn", "flash", "gather")))
+              + f" [{time.time() - t_start:.0f}s]", flush=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(results, f, indent=1)
     try:

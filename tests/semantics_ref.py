@@ -5,7 +5,8 @@ transformers as an attention function ("lychee_semantics") so an uncompiled mode
 
     Retrieval head (first global layer, or retrieval[l, h]): full attention over valid positions; token score =
       sum over the G query heads of softmax probs; block score = sum of its valid tokens' scores; candidates = valid
-      blocks that are neither sink nor local; select top ceil(budget/bs) by score, ties to the lower block.
+      blocks that are neither sink nor local; select top ceil(budget/bs) by score, ties to the lower block; top-k
+      compares scores as fp32 with the low 11 mantissa bits cleared (12 significant bits: closer scores tie).
     Sparse head: attention over valid tokens of S[l'][h] (previous global layer) plus sink and local blocks;
       S[l][h] = S[l'][h].
     Sink blocks: blocks of the first sink_tokens valid positions; local: of the last local_tokens valid positions.
@@ -19,10 +20,17 @@ transformers as an attention function ("lychee_semantics") so an uncompiled mode
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
 NAME = "lychee_semantics"
+
+
+def _twelve_bits(x: float) -> float:
+    """x as fp32 with the low 11 mantissa bits cleared (rounded toward zero to 12 significant bits)."""
+    bits = struct.unpack("<i", struct.pack("<f", x))[0] & ~0x7FF
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
 class Semantics:
@@ -89,7 +97,8 @@ class Semantics:
             for t in valid:
                 block_score[t // bs] = block_score.get(t // bs, 0.0) + token_score[t]
             candidates = [blk for blk in sorted(block_score) if blk not in sink_blocks and blk not in local_blocks]
-            ranked = sorted(candidates, key=lambda blk: (-block_score[blk], blk))
+            rank = (lambda x: _twelve_bits(x)) if self.policy == "topk" else (lambda x: x)
+            ranked = sorted(candidates, key=lambda blk: (-rank(block_score[blk]), blk))
             self.selection[(b, h)] = sorted(ranked[:self._keep(ranked, block_score, sink_blocks | local_blocks,
                                                                len(qs), len(block_score))])
             return valid

@@ -16,7 +16,8 @@ triton = pytest.importorskip("triton")
 from lychee_compile.ops.reference import (block_any, block_sum, hybrid_decode_reference, masked_softmax,  # noqa: E402
                                           sink_local_blocks)
 from lychee_compile.ops.index_state import empty_index_state  # noqa: E402
-from lychee_compile.lowering.template import hybrid_decode_triton, interpreting  # noqa: E402
+from lychee_compile.ops.policies import RANK_DROP_BITS, rank_score  # noqa: E402
+from lychee_compile.lowering.template import hybrid_decode_triton, interpreting, kernel_params  # noqa: E402
 
 ON_CPU = interpreting()
 
@@ -108,6 +109,17 @@ def test_kernel_chunked_selection_path():
     # NB > NBR forces the looped (scratch-memory) top-k path; block_n=32 exercises a different tile
     args = make_case(2, 2, 2, 64, 400, torch.bfloat16, 16, 5, 16, 32, [(0, 400), (21, 391)], [True, False], seed=3)
     check(*args, 0.125, 16, 16, 32, num_splits=6, nbr_max=16, block_n=32)
+
+
+@pytest.mark.parametrize("tiers", [(32, 64), (16, 32), (8, 16)], ids=["tier1", "tier2", "tier3"])
+def test_kernel_selection_width_tiers(tiers):
+    # 25 blocks of keys: tiers (32, 64) hold them in the narrowest register row, (16, 32) in the middle one, (8, 16)
+    # in the widest (NBR = 32); the radix select's result must not depend on the width
+    _, cp = kernel_params(G=2, Hkv=2, D=64, K_sel=5, block_size=16, sink_tokens=16, local_tokens=32, scale=0.125,
+                          num_splits=6, nb_hint=25, nbr_max=32, select_tiers=tiers)
+    assert (cp["NR1"], cp["NR2"], cp["NBR"]) == (min(tiers[0], 32), min(tiers[1], 32), 32)
+    args = make_case(2, 2, 2, 64, 400, torch.bfloat16, 16, 5, 16, 32, [(0, 400), (21, 391)], [True, False], seed=4)
+    check(*args, 0.125, 16, 16, 32, num_splits=6, nbr_max=32, select_tiers=tiers)
 
 
 @pytest.mark.parametrize("block_n", [16, 64])
@@ -252,3 +264,59 @@ def test_kernel_policies_ties_prefer_lower_blocks(policy, param, want):
     # K = 8; ratio: ceil(.3 * 16 valid blocks) = 5. Ties: the lower blocks.
     out, idx = check(*tie_case(8), 0.125, 16, 16, 32, policy, param, exact_idx=True, num_splits=3)
     assert idx[0, 0].tolist() == want + [-1] * (8 - len(want))
+
+
+SELECT_PROBE = '''
+import triton
+import triton.language as tl
+from {module} import _lychee_select
+
+
+@triton.jit
+def probe(KEYS, OUT, NB, n, KSEL: tl.constexpr, KP: tl.constexpr, NBR: tl.constexpr, NR1: tl.constexpr,
+          NR2: tl.constexpr, LOWB: tl.constexpr):
+    _lychee_select(KEYS, NB, OUT, 1, n, KSEL, KP, NBR, NR1, NR2, LOWB)
+'''
+
+
+def test_select_exact_on_crafted_keys(tmp_path, monkeypatch):
+    # the combine kernel's top-n alone, on key rows built to be hard: many exact ties, non-candidates (-1), sink /
+    # local keys (other negative ints), n = 0 and n > candidates, every width tier and the chunked path; the result
+    # must equal a plain sort (larger key first, ties to the lower block), ascending, EMPTY-padded
+    if not ON_CPU:
+        pytest.skip("runs the selection alone under the Triton interpreter")
+    from lychee_compile.lowering.template import render_standalone
+    _, cp = kernel_params(G=2, Hkv=2, D=64, K_sel=8, block_size=16, sink_tokens=16, local_tokens=32, scale=0.1,
+                          num_splits=4, nb_hint=16)
+    fn, _, _ = render_standalone("combine", cp)
+    (tmp_path / "select_probe.py").write_text(SELECT_PROBE.format(module=fn.fn.__module__))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import select_probe
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for trial in range(60):
+        NB = int(torch.randint(1, 100, (), generator=gen))
+        keys = torch.rand(NB, generator=gen) ** 8
+        if trial % 3 == 0:
+            keys = (keys * 4).floor() / 4                                   # ties
+        ik = rank_score(keys).view(torch.int32).clone()                      # keys as the key programs form them
+        if trial % 7 == 0:     # scores apart by less than 2^-11 (relative) are ties at the ranked resolution
+            ik[: NB // 2] = rank_score(torch.full((NB // 2,), 0.3)).view(torch.int32)
+            ik[NB // 4: NB // 2] = (torch.full((NB // 2 - NB // 4,), 0.3) * (1 + 2 ** -13)).view(torch.int32) \
+                & -(1 << RANK_DROP_BITS)
+        ik[torch.rand(NB, generator=gen) < 0.2] = -1                         # not candidates
+        if trial % 5 == 0:
+            ik[torch.rand(NB, generator=gen) < 0.3] = (-keys[:1]).view(torch.int32)   # sink / local (-score bits)
+        n = int(torch.randint(0, 9, (), generator=gen))
+        cand = sorted(((-int(ik[i]), i) for i in range(NB) if ik[i] >= 0))
+        ref = sorted(i for _, i in cand[:n])
+        ref += [-1] * (8 - len(ref))
+        for nbr, t1, t2 in ((64, 16, 32), (16, 16, 16), (128, 32, 64), (32, 8, 16)):
+            out = torch.full((8,), -5, dtype=torch.int32)
+            select_probe.probe[(1,)](ik, out, NB, n, 8, 8, nbr, t1, t2, RANK_DROP_BITS)
+            out0 = torch.full((8,), -5, dtype=torch.int32)                   # LOWB = 0: the exact path too
+            select_probe.probe[(1,)](ik, out0, NB, n, 8, 8, nbr, t1, t2, 0)
+            assert out0.tolist() == ref, (nbr, t1, t2, NB, n, ik.tolist())
+            assert out.tolist() == ref, (nbr, t1, t2, NB, n, ik.tolist())
+            checked += 1
+    assert checked == 60 * 4

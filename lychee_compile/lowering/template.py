@@ -37,6 +37,8 @@ import tempfile
 
 import jinja2
 
+from ..ops.policies import RANK_DROP_BITS
+
 GLOSSARY = '''
     # ---- glossary (names and shapes) -------------------------------------------------------------------------
     # B        batch rows (runtime)            T      cache length of K/V (runtime)     NB = ceil(T / BS) KV blocks
@@ -45,6 +47,9 @@ GLOSSARY = '''
     # D        head dim (constexpr: 64/128/256)
     # BS       tokens per KV block             BLOCK_N tokens per tile (multiple of BS)   NBT = BLOCK_N // BS
     # KSEL     index-state width K             KP     KSEL padded to a power of two
+    # NBR      widest key row kept in registers by the selection; NR1 <= NR2 <= NBR narrower tiers (combine only)
+    # LOWB     low key bits cleared (top-k: policies.RANK_DROP_BITS; other policies 0): the threshold searches
+    #          cover bits 30..LOWB only
     # POLICY, PARAM  selection policy code (policies.POLICIES: 0 topk, 1 topp, 2 threshold, 3 ratio) and its
     #          p / tau / theta: a retrieval head keeps the top n <= KSEL candidates (combine only)
     # SINK, LOCAL   sink / local token counts;  S_MAX, L_MAX  most blocks they can touch (ceil(n / BS) + 1, or 0)
@@ -61,7 +66,8 @@ GLOSSARY = '''
     # PM, PL  fp32 [B*HKV, NUM_SPLITS, G]   per-slot running max (log2 units) and sum of exp2
     # PACC    fp32 [B*HKV, NUM_SPLITS, G, D] per-slot unnormalised output
     # BLSE    fp32 [B, HKV, G, NB]   per-block log2-sum-exp2 of the scaled scores (retrieval heads)
-    # KEYS    int32 [B, HKV, NB]     selection keys: fp32 bits of the block score for candidates, of -score for
+    # KEYS    int32 [B, HKV, NB]     selection keys: fp32 bits of the ranked block score (low LOWB bits 0) for
+    #                                candidates, of -score for
     #                                sink / local blocks (negative ints), -1 for the other blocks
     # OUT     [B, HKV*G, 1, D] q.dtype
     # seg = b * HKV + h; tile lt of a segment covers virtual tokens [lt*BLOCK_N, (lt+1)*BLOCK_N)
@@ -332,8 +338,8 @@ COMBINE_SOURCE = '''
             sb1 = tl.where(has & (SINK > 0), (tl.minimum(lo + SINK, hi) - 1) // BS + 1, sb0)
             lb0 = tl.maximum(hi - LOCAL, lo) // BS
             lb1 = tl.where(has & (LOCAL > 0), (hi - 1) // BS + 1, lb0)
-            # keys of blocks [c_key*KC, (c_key+1)*KC): fp32 bits of the block score (non-negative floats order
-            # like their bits), -1 if not a candidate
+            # keys of blocks [c_key*KC, (c_key+1)*KC): fp32 bits of the block score with the low LOWB bits cleared
+            # (non-negative floats order like their bits; top-k: policies.rank_score), -1 if not a candidate
             blk = c_key * KC + tl.arange(0, KC)
             NBV = (TV + BS - 1) // BS        # blocks the split launch scored (BLSE beyond them is stale)
             lse = tl.load(BLSE + (seg.to(tl.int64) * G + gg[:, None]) * NB + blk[None, :],
@@ -344,7 +350,7 @@ COMBINE_SOURCE = '''
             # sink / local blocks store the bits of -score (negative ints, never -1 = NaN bits): topp needs their
             # mass (fixed_mass) and the counting passes ignore every negative key
             fixed = ((blk >= sb0) & (blk < sb1)) | ((blk >= lb0) & (blk < lb1))
-            key = tl.where(cand, score.to(tl.int32, bitcast=True),
+            key = tl.where(cand, score.to(tl.int32, bitcast=True) & (-(1 << LOWB)),     # policies.rank_score
                            tl.where(fixed, (-score).to(tl.int32, bitcast=True), -1))
             key_base = KEYS + seg.to(tl.int64) * NB
             tl.store(key_base + blk, key, mask=blk < NBV)
@@ -352,8 +358,8 @@ COMBINE_SOURCE = '''
             ticket = tl.atomic_add(CNT + seg, 1)
             if ticket == NKC - 1:
                 tl.store(CNT + seg, 0)
-                n = _lychee_keep_count(key_base, NBV, lo, hi, POLICY, PARAM, KSEL, G, BS, NBR)
-                _lychee_select(key_base, NBV, out_base, stride_ok, n, KSEL, KP, NBR)
+                n = _lychee_keep_count(key_base, NBV, lo, hi, POLICY, PARAM, KSEL, G, BS, NBR, LOWB)
+                _lychee_select(key_base, NBV, out_base, stride_ok, n, KSEL, KP, NBR, NR1, NR2, LOWB)
 ''' + '''
 
 @triton.jit
@@ -371,13 +377,13 @@ def _lychee_mass(keys, G: tl.constexpr):
 
 @triton.jit
 def _lychee_keep_count(KEYS_ROW, NB, lo, hi, POLICY: tl.constexpr, PARAM: tl.constexpr, KSEL: tl.constexpr,
-                       G: tl.constexpr, BS: tl.constexpr, NBR: tl.constexpr):
+                       G: tl.constexpr, BS: tl.constexpr, NBR: tl.constexpr, LOWB: tl.constexpr):
     """n: how many of the ranked candidates the selection policy keeps (policies.keep_counts), capped at KSEL."""
     offs = tl.arange(0, NBR)
     if POLICY == 0:      # topk
         n = tl.full([], KSEL, tl.int32)
     elif POLICY == 1:    # topp
-        n = _lychee_topp_count(KEYS_ROW, NB, PARAM, G, NBR)
+        n = _lychee_topp_count(KEYS_ROW, NB, PARAM, G, NBR, LOWB)
     elif POLICY == 2:    # threshold: candidates whose mass >= tau (compared in fp32, as the reference)
         n = tl.zeros([], tl.int32)
         for c in range(0, NB, NBR):
@@ -397,7 +403,7 @@ def _lychee_ceil(x):
 
 
 @triton.jit
-def _lychee_topp_count(KEYS_ROW, NB, P: tl.constexpr, G: tl.constexpr, NBR: tl.constexpr):
+def _lychee_topp_count(KEYS_ROW, NB, P: tl.constexpr, G: tl.constexpr, NBR: tl.constexpr, LOWB: tl.constexpr):
     # keep_counts' topp: need = max(p - fixed mass, 0), n = the shortest prefix of the ranking whose mass reaches
     # need - 1e-6 (0 if need <= 0; every candidate if none does). 31 passes (one per key bit, high to low) find thr =
     # the largest key such that the mass of the keys >= thr reaches the target, i.e. the last key the prefix needs;
@@ -412,7 +418,7 @@ def _lychee_topp_count(KEYS_ROW, NB, P: tl.constexpr, G: tl.constexpr, NBR: tl.c
     need = tl.maximum(P - tl.div_rn(fixed, G), 0.0)
     tgt = need - 1e-6
     thr = tl.zeros([], tl.int32)
-    for bit in range(31):
+    for bit in range(31 - LOWB):      # candidate keys have their low LOWB bits clear
         trial = thr | (tl.full([], 1, tl.int32) << (30 - bit))
         mass = tl.zeros([], tl.float32)
         for c in range(0, NB, NBR):
@@ -441,23 +447,59 @@ def _lychee_topp_count(KEYS_ROW, NB, P: tl.constexpr, G: tl.constexpr, NBR: tl.c
 
 
 @triton.jit
-def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, KP: tl.constexpr, NBR: tl.constexpr):
+def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, KP: tl.constexpr, NBR: tl.constexpr,
+                   NR1: tl.constexpr, NR2: tl.constexpr, LOWB: tl.constexpr):
     # Top-n (n <= KSEL, runtime) of the int32 keys of one row (larger first, ties to the lower block; negative = not
-    # a candidate), written ascending and EMPTY-padded to KSEL. Exact: 31 counting passes (one per key bit, high to
-    # low) find the n-th largest key thr; then keys > thr and the first (n - #greater) keys == thr in block order
-    # are taken (no passes at all when every candidate fits). A row of up to NBR keys stays in registers; a longer
-    # one is walked in NBR chunks per pass (same result, slower).
-    offs = tl.arange(0, NBR)
+    # a candidate), written ascending and EMPTY-padded to KSEL. Exact: counting passes over the key bits find the
+    # n-th largest key thr; then keys > thr and the first (n - #greater) keys == thr in block order are taken. No
+    # passes at all when every candidate fits. The keys
+    # live in registers, in the smallest width tier (NR1 <= NR2 <= NBR) that holds the row's NB keys at run time:
+    # the width follows the valid length, not the cache capacity (a 4K row in a 128K cache costs a 4K selection).
+    # A row longer than NBR is walked in NBR chunks per pass (same result).
+    if NB <= NR1:
+        _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NR1, True, LOWB)
+    else:
+        if NR2 > NR1:
+            if NB <= NR2:
+                _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NR2, True, LOWB)
+            else:
+                _lychee_select_wide(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, NR2, LOWB)
+        else:
+            _lychee_select_wide(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, NR2, LOWB)
+
+
+@triton.jit
+def _lychee_select_wide(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, KP: tl.constexpr,
+                        NBR: tl.constexpr, NR2: tl.constexpr, LOWB: tl.constexpr):
+    if NBR > NR2:
+        if NB <= NBR:
+            _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, True, LOWB)
+        else:
+            _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, False, LOWB)
+    else:
+        _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, False, LOWB)
+
+
+@triton.jit
+def _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, KP: tl.constexpr, NR: tl.constexpr,
+                        ONE_CHUNK: tl.constexpr, LOWB: tl.constexpr):
+    """_lychee_select with keys [0, NB) read NR at a time (ONE_CHUNK: NB <= NR, the row stays in registers).
+    Candidate keys have their low LOWB bits clear. thr = the n-th largest key, found bit by bit over bits
+    30..LOWB, high to low: in registers two bits per pass (the pass's three
+    counts, each <= NR <= 2^14, packed into one int64 sum: one block-wide reduction per pass), else one bit per pass
+    over the chunks. n = 0 ends with thr = every searched bit set (above any candidate key): nothing is taken. Measured slower on the H100 (BENCHMARKS.md):
+    a 4-pass histogram radix select (similar scores share leading digits: its shared-memory atomics serialise on
+    one bin) and 4 bits per pass (15 counts in one tuple reduction: the per-key count work, not the syncs, bounds a
+    pass with 16 keys per thread)."""
+    offs = tl.arange(0, NR)
     zero = tl.zeros([], tl.int32)
     thr = zero
     ngt = zero
-    if NB <= NBR:
+    if ONE_CHUNK:
         keys = _lychee_keys(KEYS_ROW, NB, 0, offs)
         ncand = tl.sum((keys >= 0).to(tl.int32), 0)
         if ncand > n:   # else every candidate is taken: no threshold to find (short rows)
-            # two bits per pass, bits 30..1, then bit 0: the pass's three counts (each <= NBR <= 2^14) packed into
-            # one int64 sum -- one block-wide reduction per pass instead of three
-            for i in range(15):
+            for i in range((31 - LOWB) // 2):     # bits 30..LOWB (+1 if 31 - LOWB is odd), two per pass
                 sh = 29 - 2 * i
                 one = tl.full([], 1, tl.int32) << sh
                 tot = tl.sum((keys >= (thr | one)).to(tl.int64)
@@ -468,32 +510,38 @@ def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, KP: t
                 c3 = (tot >> 42).to(tl.int32)
                 d = (c1 >= n).to(tl.int32) + (c2 >= n).to(tl.int32) + (c3 >= n).to(tl.int32)
                 thr = thr | (d << sh)
-            c0 = tl.sum((keys >= (thr | 1)).to(tl.int32), 0)
-            thr = tl.where(c0 >= n, thr | 1, thr)
+            if (31 - LOWB) % 2 == 1:                 # the last bit, LOWB, alone
+                c0 = tl.sum((keys >= (thr | (1 << LOWB))).to(tl.int32), 0)
+                thr = tl.where(c0 >= n, thr | (1 << LOWB), thr)
             ngt = tl.sum((keys > thr).to(tl.int32), 0)
     else:
         ncand = zero
-        for c in range(0, NB, NBR):
+        for c in range(0, NB, NR):
             keys = _lychee_keys(KEYS_ROW, NB, c, offs)
             ncand += tl.sum((keys >= 0).to(tl.int32), 0)
         if ncand > n:
-            for bit in range(31):
+            for bit in range(31 - LOWB):
                 trial = thr | (tl.full([], 1, tl.int32) << (30 - bit))
                 cnt = zero
-                for c in range(0, NB, NBR):
-                    keys = _lychee_keys(KEYS_ROW, NB, c, offs)
-                    cnt += tl.sum((keys >= trial).to(tl.int32), 0)
+                for c in range(0, NB, NR):
+                    cnt += tl.sum((_lychee_keys(KEYS_ROW, NB, c, offs) >= trial).to(tl.int32), 0)
                 thr = tl.where(cnt >= n, trial, thr)
-            for c in range(0, NB, NBR):
-                keys = _lychee_keys(KEYS_ROW, NB, c, offs)
-                ngt += tl.sum((keys > thr).to(tl.int32), 0)
-    take_all = ncand <= n
-    need = n - ngt
-    # write: positions ascend with the block number. One scan: taken count (low 16 bits) and ties at thr seen so
-    # far (high bits) packed together (both <= NBR <= 2^14)
+            for c in range(0, NB, NR):
+                ngt += tl.sum((_lychee_keys(KEYS_ROW, NB, c, offs) > thr).to(tl.int32), 0)
+    _lychee_write_selected(KEYS_ROW, NB, OUT_ROW, stride_o, thr, ncand <= n, n - ngt, KSEL, KP, NR)
+
+
+@triton.jit
+def _lychee_write_selected(KEYS_ROW, NB, OUT_ROW, stride_o, thr, take_all, need, KSEL: tl.constexpr,
+                           KP: tl.constexpr, NR: tl.constexpr):
+    # keys > thr (every candidate if take_all) and the first `need` keys == thr, written ascending with the block
+    # number, EMPTY-padded. One scan per chunk: taken count (low 16 bits) and ties at thr seen so far (high bits)
+    # packed together (both <= NR <= 2^14)
+    offs = tl.arange(0, NR)
+    zero = tl.zeros([], tl.int32)
     eq_before = zero
     ntaken = zero
-    for c in range(0, NB, NBR):
+    for c in range(0, NB, NR):
         keys = _lychee_keys(KEYS_ROW, NB, c, offs)
         eq = ((keys == thr) & (~take_all)).to(tl.int32)
         gt = tl.where(take_all, keys >= 0, keys > thr).to(tl.int32)
@@ -525,7 +573,7 @@ def _next_pow2(n: int) -> int:
 def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink_tokens: int, local_tokens: int,
                   scale: float, num_splits: int, nb_hint: int, block_n: int = 64, nbr_max: int = 16384,
                   blse_sums: int = 0, sparse_cost: int = 2, policy: int = 0,
-                  policy_param: float = 0.0):
+                  policy_param: float = 0.0, select_tiers: tuple = (1024, 8192)):
     """Constexpr parameters shared by both kernels (a plain dict, hashable inputs only)."""
     bs = int(block_size)
     block_n = max(int(block_n), bs)
@@ -540,8 +588,11 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
     )
     split = dict(common, QK_SCALE_LOG2=float(scale) * 1.4426950408889634, DOT_UPCAST=interpreting(),
                  BLSE_SUMS=int(blse_sums))
+    nbr = max(16, min(nbr_max, _next_pow2(nb_hint)))
     combine = dict(common, SC=64, NSP=_next_pow2(num_splits),
-                   KC=max(16, min(1024, _next_pow2(nb_hint))), NBR=max(16, min(nbr_max, _next_pow2(nb_hint))),
+                   KC=max(16, min(1024, _next_pow2(nb_hint))), NBR=nbr,
+                   NR1=min(_next_pow2(select_tiers[0]), nbr), NR2=min(_next_pow2(select_tiers[1]), nbr),
+                   LOWB=RANK_DROP_BITS if int(policy) == 0 else 0,      # top-k ranks 12 significant bits
                    POLICY=int(policy), PARAM=float(policy_param) if policy else 0.0)   # topk ignores the param
     return split, combine
 
@@ -670,7 +721,7 @@ def _arg_values(args, tensors):
 def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, out=None,
                    idx_out=None, num_splits=None, block_n=64, nbr_max=16384, ws=None, split_warps=4,
                    split_stages=3, combine_warps=16, blse_sums=0, sparse_cost=2, select=None,
-                   policy=0, policy_param=0.0):
+                   policy=0, policy_param=0.0, select_tiers=(1024, 8192)):
     """Bind both kernels to fixed buffers: returns (split(), combine(), out, idx_out). Nothing is allocated per
     call, so the pair can be captured in a CUDA graph."""
     import torch
@@ -684,7 +735,7 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
     sp, cp = kernel_params(G=G, Hkv=Hkv, D=D, K_sel=K_sel, block_size=block_size, sink_tokens=sink_tokens,
                            local_tokens=local_tokens, scale=float(scale), num_splits=num_splits, nb_hint=nb,
                            block_n=block_n, nbr_max=nbr_max, blse_sums=blse_sums, sparse_cost=sparse_cost,
-                           policy=policy, policy_param=policy_param)
+                           policy=policy, policy_param=policy_param, select_tiers=tuple(select_tiers))
     if ws is None:
         ws = workspace(B, Hkv, G, D, T, block_size, num_splits, q.device)
     out = torch.empty_like(q) if out is None else out

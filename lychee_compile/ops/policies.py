@@ -1,7 +1,7 @@
 """Selection policies of retrieval heads (LycheeDecode §4.4.1): how many of the ranked candidate blocks to keep.
 
-Every policy ranks candidates the same way as top-k (block score = sum over the G query heads of softmax probs;
-ties to the lower block) and keeps a prefix of that ranking, at most K = LycheeConfig.num_select blocks -- the fixed
+Every policy ranks candidates by block score (sum over the G query heads of softmax probs; ties to the lower block;
+a retrieval head's top-k at 12 significant bits, see RANK_DROP_BITS) and keeps a prefix of that ranking, at most K = LycheeConfig.num_select blocks -- the fixed
 capacity of the index state, so kernels and CUDA graphs see a static size; unused slots hold EMPTY.
 
     topk       keep K
@@ -21,6 +21,21 @@ import torch
 from .index_state import EMPTY, INDEX_DTYPE
 
 POLICIES = {"topk": 0, "topp": 1, "threshold": 2, "ratio": 3}
+
+# A retrieval head's top-k (reference.py) ranks scores with the low RANK_DROP_BITS bits of the fp32 mantissa cleared (rounded toward zero: 12
+# significant bits). Two scores more than 2^-11 ~ 4.9e-4 apart (relative) keep their order, so the selected set is
+# the exact-score top-k wherever the k-th and (k+1)-th scores differ by more than 1e-3 (the kernel issue's bar);
+# closer ones are ties, resolved to the lower block. Why: the kernel's threshold search then covers 20 bits, not 31
+# (10 counting passes instead of 16 in the device's single-program latency chain). The mass-based policies (topp,
+# threshold, ratio) rank exact scores: the count they keep depends on exact masses. Quest and heat picks (reference
+# only, no kernel) rank exact scores too.
+RANK_DROP_BITS = 11
+
+
+def rank_score(score: torch.Tensor) -> torch.Tensor:
+    """fp32 scores with the low RANK_DROP_BITS mantissa bits cleared (monotone: never reorders, only ties)."""
+    bits = score.to(torch.float32).contiguous().view(torch.int32)
+    return (bits & ~((1 << RANK_DROP_BITS) - 1)).view(torch.float32)
 
 
 def keep_counts(policy: int, param: float, ranked_mass: torch.Tensor, n_candidates: torch.Tensor,

@@ -10,7 +10,8 @@ Names and shapes (one global layer, decode step, query length 1):
     idx_out  int32 [B, Hkv, K]
     policy, policy_param   how many ranked blocks a retrieval head keeps (policies.py; default top-K)
     select   bool [Hkv] or None   retrieval heads whose selection is read downstream; the others output EMPTY rows
-All scores and probabilities are fp32.
+All scores and probabilities are fp32; a retrieval head's top-k ranks block scores at 12 significant bits
+(policies.RANK_DROP_BITS: closer scores are ties, to the lower block).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 from .index_state import EMPTY
 from .quest import QUEST_MODES, block_min_max, quest_bound
-from .policies import POLICIES, ranked_selection, select_top_blocks  # noqa: F401  (select_top_blocks: training)
+from .policies import POLICIES, rank_score, ranked_selection, select_top_blocks  # noqa: F401  (select_top_blocks: training)
 
 
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -83,7 +84,8 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
     valid_blk = block_any(valid, block_size, nb)                                                   # [B, nb]
     candidate = (valid_blk & ~sink_blk & ~local_blk)[:, None, :].expand(B, Hkv, nb)
     fixed_mass = (block_score * (sink_blk | local_blk)[:, None, :]).sum(-1) / G                    # [B, Hkv]
-    selected = ranked_selection(block_score, candidate, k_sel, G, policy, policy_param, fixed_mass,
+    ranked = rank_score(block_score) if policy == POLICIES["topk"] else block_score   # 12 significant bits
+    selected = ranked_selection(ranked, candidate, k_sel, G, policy, policy_param, fixed_mass,
                                 valid_blk.sum(-1, keepdim=True))
 
     # Sparse heads: inherited blocks plus sink and local blocks, valid positions only.
