@@ -93,6 +93,21 @@ def test_compiled_matches_semantics_on_both_caches(mode):
         assert max_logit_diff(logits, ref_logits) < EXACT_TOL and torch.equal(seq, ref_seq), cache
 
 
+def test_inductor_runs_the_quest_op_and_writes_the_state():
+    # Inductor keeps the op's reference as an extern kernel (no Quest lowering); the write-back must survive
+    # functionalization and reinplacing: the state after the steps is the fresh min / max, logits as the eager FX run
+    ids, mask = make_batch(lengths=(26, 17))
+    eager, _ = compiled("llama", "sdpa", retrieval=mixed_map(make("llama")), **CFG, **MODES["sparse"])
+    _, want = generate_logits(eager, ids, mask, 5)
+    model, state = compiled("llama", "sdpa", retrieval=mixed_map(make("llama")), backend="inductor", **CFG,
+                            **MODES["sparse"])
+    _, cache = run(model, ids, mask, 5)
+    assert state.counters.decode_calls == 4 and "hybrid_decode_quest" in state.snapshots[0]
+    assert_state_is_fresh(model, state, cache, cache_valid(cache, mask, ids.shape[1] + 4))
+    _, logits = generate_logits(model, ids, mask, 5)
+    assert max_logit_diff(logits, want) < EXACT_TOL
+
+
 def test_state_is_rebuilt_after_each_rectification(monkeypatch):
     R = 4
     model, state = compiled("llama", "sdpa", retrieval=mixed_map(make("llama")), rectify_every=R, **CFG,
