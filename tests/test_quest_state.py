@@ -171,11 +171,22 @@ def test_bad_op_input_is_refused_clearly():
         QUEST_OP(q, k, v, valid, retrieval, idx, desc, 0.25, 4, 4, 4, 0, 0.0, 0, 0)
 
 
-def test_decode_before_any_prefill_is_refused_clearly():
-    # a cache filled by another model: this model never ran an eager forward, so it has no descriptors to read
+def test_decode_on_a_cache_this_model_did_not_prefill_rebuilds_first():
+    # the eval harness prefills on the base model and scores copies of that cache through the compiled call: the
+    # descriptors must describe each new cache (another prompt here), not what the previous sequence left, nor be
+    # missing the first time
     from lychee_compile.eval.scoring import dense_prefill, score_steps
-    ids = torch.randint(3, 120, (1, 20), generator=torch.Generator().manual_seed(0))
-    pre = dense_prefill(make("llama"), ids, 32)
-    model, _ = compiled("llama", "sdpa", retrieval=mixed_map(make("llama")), **CFG, **MODES["all"])
-    with pytest.raises(Exception, match="decode step ran before any prefill"):
-        score_steps(model.get_compiled_call(model.generation_config.compile_config), pre, [5, 6, 7])
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 120, (1, 20), generator=g) for _ in range(2)]
+    dense = make("llama")
+    targets = [5, 6, 7, 8, 9]
+    model, state = compiled("llama", "sdpa", retrieval=mixed_map(make("llama")), **CFG, **MODES["all"])
+    call = model.get_compiled_call(model.generation_config.compile_config)
+    for ids in prompts:
+        pre = dense_prefill(dense, ids, 32)
+        got = score_steps(call, pre, targets, copy_cache=False)
+        assert_state_is_fresh(model, state, pre.cache, cache_valid(pre.cache, torch.ones(1, 20), 24))
+    fresh, _ = compiled("llama", "sdpa", retrieval=mixed_map(make("llama")), **CFG, **MODES["all"])
+    want = score_steps(fresh.get_compiled_call(fresh.generation_config.compile_config),
+                       dense_prefill(dense, prompts[1], 32), targets)
+    assert got.logprobs == want.logprobs and state.counters.decode_calls == 8
