@@ -63,13 +63,15 @@ def run(model, ids, mask, steps, **kwargs):
 def test_state_follows_prefill_decode_and_new_sequences(mode):
     model, state = compiled("llama", "sdpa", retrieval=mixed_map(make("llama")), **CFG, **MODES[mode])
     steps = 7
-    for lengths in [(26, 17), (9, 5), (11,)]:     # a shorter batch after a longer one, then a new batch size
+    for lengths in [(26, 17), (26, 17), (9, 5), (11,)]:   # again (no recompile), shorter, a new batch size
         ids, mask = make_batch(lengths=lengths)
         before = state.counters.decode_calls
         _, cache = run(model, ids, mask, steps)
         assert state.counters.decode_calls - before == steps - 1, "the decode steps did not run the rewritten graph"
         assert getattr(model, QUEST_ATTR).shape[0] == len(lengths)
         assert_state_is_fresh(model, state, cache, cache_valid(cache, mask, ids.shape[1] + steps - 1))
+        if lengths == (26, 17):
+            assert state.counters.decode_graphs == 1, "a generate() of the same shapes recompiled the decode step"
     snap = state.snapshots[0]
     assert snap.count("hybrid_decode_quest") == 3 and "desc=layer_slot(state.quest, 2)" in snap
     assert "write_state(state.quest <- stack of 3 quest slices)" in snap
@@ -190,3 +192,14 @@ def test_decode_on_a_cache_this_model_did_not_prefill_rebuilds_first():
     want = score_steps(fresh.get_compiled_call(fresh.generation_config.compile_config),
                        dense_prefill(dense, prompts[1], 32), targets)
     assert got.logprobs == want.logprobs and state.counters.decode_calls == 8
+
+
+def test_decode_that_bypasses_the_wrappers_is_refused_clearly():
+    # compiled by hand around a cache filled by another model: nothing ever described that cache
+    from lychee_compile.eval.scoring import dense_prefill
+    pre = dense_prefill(make("llama"), torch.randint(3, 120, (1, 20), generator=torch.Generator().manual_seed(0)), 32)
+    model, state = compiled("llama", "sdpa", retrieval=mixed_map(make("llama")), **CFG, **MODES["all"])
+    step = torch.compile(model, backend=state.backend, fullgraph=True)
+    with pytest.raises(Exception, match="Quest descriptors are built from the cache"), torch.no_grad():
+        step(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[20]]), cache_position=torch.tensor([20]),
+             past_key_values=pre.cache, attention_mask=torch.ones(1, 21, dtype=torch.long), use_cache=True)

@@ -54,8 +54,9 @@ def _state_fits(ctx: PassContext, n_global: int) -> bool:
     for name, dim in wanted.items():
         node = ctx.state_inputs.get(name)
         if node is None:
-            hint = (" The Quest descriptors are created by the first eager forward that carries a cache (the "
-                    "prefill): a decode step ran before any prefill of this model?" if name == "quest" else "")
+            hint = (" The Quest descriptors are built from the cache by the model's eager forward (the prefill) or "
+                    "just before a decode step made through model.get_compiled_call(); this decode step came "
+                    "another way before any of those." if name == "quest" else "")
             ctx.refuse_graph(f"the graph carries no {name} state buffer (the model's forward was not wrapped by "
                              f"lychee_compile?).{hint}")
             return False
@@ -84,7 +85,8 @@ def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int):
                                    args + (heat,) + tail + (float(cfg.heat_decay), cfg.heat_blocks)), "heat"
     if cfg.quest != "off":
         desc = graph.call_function(layer_slot, (ctx.quest_input, slot))
-        return graph.call_function(torch.ops.lychee.hybrid_decode_quest.default, args + (desc,) + tail + quest), "quest"
+        op = graph.call_function(torch.ops.lychee.hybrid_decode_quest.default, args + (desc,) + tail + quest)
+        return op, "quest"
     return graph.call_function(hybrid_decode_op(), args + tail + quest), None
 
 
