@@ -61,8 +61,9 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     _install(model, backend)
     if config.rectify_every:
         install_rectification(model, config.rectify_every)
-    install_state(model, config, retrieval[global_layers])
-    install_dynamic_cache(model, backend, config)     # last: its compiled call must include the forward wrappers
+    before_decode = install_state(model, config, retrieval[global_layers], global_layers)
+    # last: its compiled call must include the forward wrappers
+    install_dynamic_cache(model, backend, config, before_decode)
     _guard_generate(model, counters, config.strict)
     setattr(model, _STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend,
                                             snapshots))

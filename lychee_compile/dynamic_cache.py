@@ -34,14 +34,16 @@ def _is_dynamic_decode(args, kwargs) -> bool:
     return isinstance(cache, DynamicCache) and x is not None and x.shape[1] == 1
 
 
-def install_dynamic_cache(model, backend, config) -> None:
+def install_dynamic_cache(model, backend, config, before_decode=None) -> None:
     """Wrap the instance's forward (install it after every other forward wrapper: the compiled call must include
-    them, e.g. the heat state's bind_state marker, so that the backend sees it in the graph) and its generate()."""
-    _route_decode_steps(model, backend, config)
+    them, e.g. the heat state's bind_state marker, so that the backend sees it in the graph) and its generate().
+    before_decode(kwargs), if given, runs before each compiled decode step, outside the graph (state_buffers.py:
+    Quest descriptors built from a cache this model did not prefill)."""
+    _route_decode_steps(model, backend, config, before_decode)
     _let_cache_objects_in(model)
 
 
-def _route_decode_steps(model, backend, config) -> None:
+def _route_decode_steps(model, backend, config, before_decode) -> None:
     inner = model.forward
     compiled = torch.compile(_fresh(inner), backend=backend, fullgraph=True, dynamic=True)
 
@@ -55,6 +57,8 @@ def _route_decode_steps(model, backend, config) -> None:
                 "rectify_every needs the static cache lychee_compile installs: rectification rewinds its write "
                 "offsets. Drop the DynamicCache (past_key_values / cache_implementation='dynamic') or use "
                 "rectify_every=0.")
+        if before_decode is not None:
+            before_decode(kwargs)
         # dynamic=True would also turn float attributes (attention scaling, norm eps) into graph inputs; the passes
         # need the scale as a number, and they are constants of the model.
         with torch._dynamo.config.patch(specialize_float=True):

@@ -10,6 +10,11 @@ and, after every R-th step, rewinds each cache layer's write offset by R and run
 attention, the prefill path) over those R tokens. The compiled decode graph is untouched (no recompiles); each
 generate() call gets a fresh wrapper, so nothing leaks between calls.
 
+Quest descriptors (ops/quest.py) of the re-encoded blocks are recomputed by the model's wrapped forward
+(state_buffers.py), which rebuilds every block from the cache after any eager forward that carries one -- this
+re-encode included. All blocks rather than the R tokens' ones: simpler, and a dense pass over the cache costs more
+than the min / max anyway.
+
 Limits: only caches whose slot is the position (every layer global: no sliding-window ring buffers, which
 lychee_compile checks); the 2-D padding mask is recovered from the decode step's mask.
 """
@@ -37,7 +42,7 @@ class Rectifier:
     def _reencode(self, cache, mask) -> None:
         tokens = torch.cat(self.tokens, dim=1)                                    # [B, R]
         length = int(cache.layers[0].cumulative_length)                           # positions written so far
-        padding = _padding_mask(mask, length, tokens)                             # [B, length] 0/1
+        padding = padding_mask(mask, length, tokens.shape[0], tokens.device)      # [B, length] 0/1
         positions = (torch.cat(self.positions, dim=1) if all(p is not None for p in self.positions)
                      else (padding.cumsum(-1) - 1).clamp_min(0)[:, -self.every:])
         for layer in cache.layers:
@@ -47,16 +52,16 @@ class Rectifier:
                        use_cache=True)
 
 
-def _padding_mask(mask, length: int, tokens) -> torch.Tensor:
-    """The 2-D padding mask [B, length] (1 = real token) behind the decode step's mask (2-D, or 4-D bool/additive)."""
+def padding_mask(mask, length: int, batch: int, device) -> torch.Tensor:
+    """The 2-D padding mask [B, length] (1 = real token) behind a forward's mask (2-D, or 4-D bool/additive)."""
     if isinstance(mask, dict):   # transformers may pass one mask per layer type
         mask = mask.get("full_attention", next(iter(mask.values()), None))
     if mask is None:
-        return torch.ones(tokens.shape[0], length, dtype=torch.long, device=tokens.device)
+        return torch.ones(batch, length, dtype=torch.long, device=device)
     if mask.dim() == 4:
         row = mask[:, 0, -1, :length]
         row = row if row.dtype == torch.bool else row == 0
-        return row.expand(tokens.shape[0], -1).long()
+        return row.expand(batch, -1).long()
     return mask[:, :length].long()
 
 

@@ -16,8 +16,8 @@ from tests.models import make
 
 SNAPSHOTS = pathlib.Path(__file__).parent / "snapshots"
 CASES = [("llama", "sdpa", ""), ("gpt_neox", "eager", ""), ("gemma3", "sdpa", ""), ("qwen2_gqa7", "eager", ""),
-         ("llama", "sdpa", "heat")]
-EXTRA = {"": {}, "heat": dict(heat_blocks=2, heat_decay=0.8)}
+         ("llama", "sdpa", "heat"), ("llama", "sdpa", "quest")]
+EXTRA = {"": {}, "heat": dict(heat_blocks=2, heat_decay=0.8), "quest": dict(quest="sparse", quest_blocks=1)}
 
 
 @pytest.mark.parametrize("arch,attn,extra", CASES)

@@ -10,6 +10,8 @@ Names and shapes (one global layer, decode step, query length 1):
     idx_out  int32 [B, Hkv, K]
     policy, policy_param   how many ranked blocks a retrieval head keeps (policies.py; default top-K)
     select   bool [Hkv] or None   retrieval heads whose selection is read downstream; the others output EMPTY rows
+    quest_desc  [B, Hkv, NB, 2, D] or None   Quest descriptors of the previous step (ops/quest.py); given, the
+             bound uses them after updating the newest key's block, and the updated copy is returned
 All scores and probabilities are fp32; a retrieval head's top-k ranks block scores at 12 significant bits
 (policies.RANK_DROP_BITS: closer scores are ties, to the lower block).
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .index_state import EMPTY
-from .quest import QUEST_MODES, block_min_max, quest_bound
+from .quest import QUEST_MODES, block_min_max, quest_bound, update_descriptors
 from .policies import POLICIES, rank_score, ranked_selection, select_top_blocks  # noqa: F401  (select_top_blocks: training)
 
 
@@ -65,12 +67,16 @@ def blocks_of_index(idx: torch.Tensor, num_blocks: int) -> torch.Tensor:
 def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, block_size: int,
                             sink_tokens: int, local_tokens: int, policy: int = POLICIES["topk"],
                             policy_param: float = 0.0, heat=None, heat_decay: float = 0.0, heat_blocks: int = 0,
-                            quest_mode: int = 0, quest_blocks: int = 0, select=None):
-    """-> (out, idx_out) or, with `heat` fp32 [B, Hkv, NBH >= nb] given, (out, idx_out, heat_out); see heat.py."""
+                            quest_mode: int = 0, quest_blocks: int = 0, select=None, quest_desc=None):
+    """-> (out, idx_out) or, with `heat` fp32 [B, Hkv, NBH >= nb] given, (out, idx_out, heat_out) (see heat.py),
+    or, with `quest_desc` given, (out, idx_out, desc_out) (see quest.py)."""
     B, Hq, L, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     if L != 1:
         raise ValueError(f"lychee::hybrid_decode is a decode-step op (query length 1); got query length {L}.")
+    if quest_desc is not None and (not quest_mode or heat is not None):
+        raise ValueError("Quest descriptors need quest_mode 'all' (1) or 'sparse' (2), and cannot be combined with "
+                         f"heat yet; got quest_mode={quest_mode}, heat {'given' if heat is not None else 'absent'}.")
     G = Hq // Hkv
     nb = -(-T // block_size)
     k_sel = idx_in.shape[-1]
@@ -93,7 +99,12 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
     is_retrieval = retrieval.to(torch.bool)[None, :, None]                                          # [1,Hkv,1]
     if quest_mode:
         # Quest bound per block from min/max of its valid keys; QUEST_ALL: every head is a Quest head.
-        bound = quest_bound(q.float().reshape(B, Hkv, G, D), *block_min_max(k, valid, block_size, nb))
+        if quest_desc is None:       # stateless: the definition, min / max over the whole cache
+            kmin, kmax = block_min_max(k, valid, block_size, nb)
+        else:                        # incremental: the state, with this step's key folded in (the same values)
+            desc_out = update_descriptors(quest_desc, k, valid, block_size)
+            kmin, kmax = desc_out[:, :, :nb].float().unbind(3)
+        bound = quest_bound(q.float().reshape(B, Hkv, G, D), kmin, kmax)
         if quest_mode == QUEST_MODES["all"]:
             own = ranked_selection(bound, candidate, k_sel, 1, POLICIES["topk"], 0.0, fixed_mass, valid_blk)
             sparse_blk = blocks_of_index(own, nb) | (sink_blk | local_blk)[:, None, :]
@@ -115,6 +126,8 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
     if select is not None:   # a retrieval head nobody reads from selects nothing (kernels skip the top-k)
         selected = torch.where(select.to(torch.bool)[None, :, None], selected, torch.full_like(selected, EMPTY))
     idx_out = torch.where(is_retrieval, selected, idx_in)
+    if quest_desc is not None:
+        return out, idx_out, desc_out
     if heat is None:
         return out, idx_out
     # h_t = decay * h_{t-1} + (probabilities this head computed this step, summed over its G query heads, per block)

@@ -9,17 +9,19 @@ address for the model's life, as CUDA graphs need (marked static for Dynamo):
         its slot's row as runtime data, so `set_head_map()` swaps head maps by writing this buffer in place -- no
         recompile, and the same CUDA graph replays with the new kinds.
     _lychee_heat: fp32 [B, Lg, Hkv, NBH]   (only when heat is enabled; layout and update rule in ops/heat.py)
+    _lychee_quest: [B, Lg, Hkv, NB, 2, D]  (only with Quest bounds; Quest block descriptors, layout and upkeep in
+                                           ops/quest.py; created by the first eager forward with a cache)
 
     bind_state(state, name)   no-op marker the wrapped forward calls on each buffer; it makes Dynamo lift the buffer
                               into the graph as an input. The `bind_state` pass records the input under `name`
                               (one of STATE_NAMES) and erases the marker.
-    write_state(state, value) state <- value in place; the last node of a graph that updates a state (heat).
+    write_state(state, value) state <- value in place; the last node of a graph that updates a state (heat, quest).
 """
 from __future__ import annotations
 
 import torch
 
-STATE_NAMES = ("kinds", "heat")
+STATE_NAMES = ("kinds", "heat", "quest")
 
 
 @torch.library.custom_op("lychee::bind_state", mutates_args=("state",))
@@ -34,7 +36,7 @@ def _(state, name):
 
 @torch.library.custom_op("lychee::write_state", mutates_args=("state",))
 def write_state(state: torch.Tensor, value: torch.Tensor) -> None:
-    """state <- value, in place (the end of the decode graph's functional heat chain)."""
+    """state <- value, in place (the end of the decode graph's functional heat / quest chain)."""
     state.copy_(value)
 
 

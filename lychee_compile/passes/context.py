@@ -45,7 +45,8 @@ class Site:
     kind: str | None = None
     refusal: str | None = None
     op_node: torch.fx.Node | None = None   # the lychee op that replaced it (rewrite pass)
-    heat_out: torch.fx.Node | None = None  # the op's updated heat slice (heat enabled)
+    # the op's updated per-layer state slices by state name ("heat" / "quest"), written back by `thread_slots`
+    state_out: dict[str, torch.fx.Node] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         where = f"layer {self.layer_idx}" if self.layer_idx is not None else (self.module_path or "?")
@@ -88,6 +89,10 @@ class PassContext:
     @property
     def heat_input(self) -> torch.fx.Node | None:
         return self.state_inputs.get("heat")
+
+    @property
+    def quest_input(self) -> torch.fx.Node | None:
+        return self.state_inputs.get("quest")
 
     @property
     def kinds_input(self) -> torch.fx.Node | None:

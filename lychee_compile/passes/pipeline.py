@@ -1,13 +1,14 @@
 """The pass pipeline: a declarative list of named passes over one PassContext.
 
-    bind_state    find the cross-step state buffers (kinds, heat) announced by the wrapped forward; drop the markers
+    bind_state    find the cross-step state buffers (kinds, heat, quest) announced by the wrapped forward; drop the
+                  markers
     detect        find attention sites (sdpa call / eager matmul-softmax-matmul chain)
     canonicalize  peel repeat_kv to [B, Hkv, T, D], mask kind, explicit scale
     classify      layer of each site; global / sliding / prefill
     check         all-or-nothing decision for the graph (strict raises, non-strict leaves it dense)
     rewrite       global decode sites -> lychee::hybrid_decode
     thread_state  index state from each op to the next
-    thread_heat   stack the ops' heat slices and write them back in place (heat enabled)
+    thread_slots  stack the ops' heat / Quest descriptor slices and write them back in place (when enabled)
 The probe in api.py runs the same list up to `check` (with window-aware classification off).
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .classify import classify_for_probe, classify_sites
 from .context import PassContext
 from .detect import find_sites
 from .rewrite import rewrite_sites
-from .thread_heat import thread_heat
+from .thread_slots import thread_slots
 from .thread_state import thread_index_state
 
 PASSES = [
@@ -30,7 +31,7 @@ PASSES = [
     ("check", check_coverage),
     ("rewrite", rewrite_sites),
     ("thread_state", thread_index_state),
-    ("thread_heat", thread_heat),
+    ("thread_slots", thread_slots),
 ]
 PROBE_PASSES = [(name, classify_for_probe if name == "classify" else fn)
                 for name, fn in PASSES[:[n for n, _ in PASSES].index("check") + 1]]

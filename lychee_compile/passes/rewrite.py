@@ -10,6 +10,9 @@ Per site, inserted right before the original attention output (so after the KV-c
                                          policy, policy_param)
     out   = res[0]                                           # replaces the attention output
     idx   = res[1]                                           # wired to the next layer by `thread_state`
+With heat or Quest bounds on, the op is lychee.hybrid_decode_heat / hybrid_decode_quest instead: it also reads its
+layer's slot of that state (layer_slot(state.heat|quest, slot)) and returns the updated slice as res[2], which
+`thread_slots` writes back.
 Then only the nodes this site matched are erased, and only once they have no users: never a global dead-code
 elimination, which would delete the in-place KV-cache writes (index_copy_/add_ look pure to FX).
 """
@@ -22,7 +25,7 @@ import torch
 from ..ops.hybrid_decode import hybrid_decode_op
 from .canonicalize import VALID_FROM, valid_everywhere
 from .context import PassContext, Site
-from .thread_heat import heat_slot
+from .thread_slots import layer_slot
 
 
 def kinds_slot(kinds: torch.Tensor, slot: int) -> torch.Tensor:
@@ -43,12 +46,19 @@ def rewrite_sites(ctx: PassContext) -> None:
 
 def _state_fits(ctx: PassContext, n_global: int) -> bool:
     """The bound state buffers exist and have one slot per global layer of this graph (else the graph is refused)."""
-    wanted = {"kinds": 0} if ctx.config.heat_blocks == 0 else {"kinds": 0, "heat": 1}   # name -> slot dimension
+    wanted = {"kinds": 0}                                                    # name -> slot dimension
+    if ctx.config.heat_blocks > 0:
+        wanted["heat"] = 1
+    if ctx.config.quest != "off":
+        wanted["quest"] = 1
     for name, dim in wanted.items():
         node = ctx.state_inputs.get(name)
         if node is None:
+            hint = (" The Quest descriptors are built from the cache by the model's eager forward (the prefill) or "
+                    "just before a decode step made through model.get_compiled_call(); this decode step came "
+                    "another way before any of those." if name == "quest" else "")
             ctx.refuse_graph(f"the graph carries no {name} state buffer (the model's forward was not wrapped by "
-                             "lychee_compile?)")
+                             f"lychee_compile?).{hint}")
             return False
         slots = node.meta["example_value"].shape[dim]
         if slots != n_global:
@@ -58,19 +68,26 @@ def _state_fits(ctx: PassContext, n_global: int) -> bool:
 
 
 def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int):
-    """The lychee op for one site: hybrid_decode, or hybrid_decode_heat reading its heat slot (heat enabled)."""
+    """(the lychee op for one site, the name of the state whose slice it returns as res[2] or None): hybrid_decode,
+    or hybrid_decode_heat / hybrid_decode_quest reading its slot of the heat / Quest descriptor state (the config
+    allows at most one of them)."""
     graph, cfg = ctx.gm.graph, ctx.config
     if cfg.attention == "flash_dense":
         return graph.call_function(torch.ops.lychee.dense_decode.default, (site.q, site.kv_k, site.kv_v, valid,
-                                                                           site.scale))
+                                                                           site.scale)), None
     args = (site.q, site.kv_k, site.kv_v, valid, kinds, None)
     tail = (site.scale, cfg.block_size, cfg.sink_tokens, cfg.local_tokens, cfg.policy_code,
             float(cfg.selection_param))
-    if ctx.heat_input is None:
-        return graph.call_function(hybrid_decode_op(), args + tail + (cfg.quest_code, cfg.quest_blocks))
-    heat = graph.call_function(heat_slot, (ctx.heat_input, slot))
-    return graph.call_function(torch.ops.lychee.hybrid_decode_heat.default,
-                               args + (heat,) + tail + (float(cfg.heat_decay), cfg.heat_blocks))
+    quest = (cfg.quest_code, cfg.quest_blocks)
+    if ctx.heat_input is not None:
+        heat = graph.call_function(layer_slot, (ctx.heat_input, slot))
+        return graph.call_function(torch.ops.lychee.hybrid_decode_heat.default,
+                                   args + (heat,) + tail + (float(cfg.heat_decay), cfg.heat_blocks)), "heat"
+    if cfg.quest != "off":
+        desc = graph.call_function(layer_slot, (ctx.quest_input, slot))
+        op = graph.call_function(torch.ops.lychee.hybrid_decode_quest.default, args + (desc,) + tail + quest)
+        return op, "quest"
+    return graph.call_function(hybrid_decode_op(), args + tail + quest), None
 
 
 def _valid_key(site: Site) -> tuple:
@@ -95,12 +112,12 @@ def _rewrite(ctx: PassContext, site: Site, slot: int, shared_valid: dict) -> Non
             valid.meta["nn_module_stack"] = site.output.meta.get("nn_module_stack", {})
             shared_valid[key] = valid
         kinds = None if dense else graph.call_function(kinds_slot, (ctx.kinds_input, slot))
-        op = _op_call(ctx, site, valid, kinds, slot)
+        op, state_name = _op_call(ctx, site, valid, kinds, slot)
         out = op if dense else graph.call_function(operator.getitem, (op, 0))
         if not dense:
             graph.call_function(operator.getitem, (op, 1))
-        if ctx.heat_input is not None:
-            site.heat_out = graph.call_function(operator.getitem, (op, 2))
+        if state_name is not None:
+            site.state_out[state_name] = graph.call_function(operator.getitem, (op, 2))
     for node in (kinds, op, out):
         if node is not None:
             node.meta["nn_module_stack"] = site.output.meta.get("nn_module_stack", {})

@@ -21,6 +21,7 @@ from .graph_query import is_op, shape
 
 _ARG_NAMES = ("q", "k", "v", "valid", "kinds", "idx_in", "scale", "block", "sink", "local", "policy", "param")
 _HEAT_ARG_NAMES = _ARG_NAMES[:6] + ("heat",) + _ARG_NAMES[6:] + ("decay", "heat_blocks")
+_QUEST_ARG_NAMES = _ARG_NAMES[:6] + ("desc",) + _ARG_NAMES[6:] + ("quest", "quest_blocks")
 _ARG_NAMES = _ARG_NAMES + ("quest", "quest_blocks", "select")
 
 
@@ -28,7 +29,8 @@ def _lychee_ops() -> dict:
     import torch
     return {hybrid_decode_op(): ("hybrid_decode", _ARG_NAMES),
             torch.ops.lychee.dense_decode.default: ("dense_decode", ("q", "k", "v", "valid", "scale")),
-            torch.ops.lychee.hybrid_decode_heat.default: ("hybrid_decode_heat", _HEAT_ARG_NAMES)}
+            torch.ops.lychee.hybrid_decode_heat.default: ("hybrid_decode_heat", _HEAT_ARG_NAMES),
+            torch.ops.lychee.hybrid_decode_quest.default: ("hybrid_decode_quest", _QUEST_ARG_NAMES)}
 
 
 def graph_snapshot(gm: torch.fx.GraphModule) -> str:
@@ -46,7 +48,8 @@ def graph_snapshot(gm: torch.fx.GraphModule) -> str:
         lines.append(f"op {i} {op_name} layer={op.meta.get('lychee_layer')} " + " ".join(parts))
     writes = [n for n in gm.graph.nodes if n.target is torch.ops.lychee.write_state.default]
     for n in writes:
-        lines.append(f"write_state({_render(n.args[0], layer_of)} <- stack of {len(n.args[1].args)} heat slices)")
+        state = _render(n.args[0], layer_of)
+        lines.append(f"write_state({state} <- stack of {len(n.args[1].args)} {state.split('.')[-1]} slices)")
     return "\n".join(lines) + "\n"
 
 
@@ -60,7 +63,7 @@ def _render(a, layer_of) -> str:
         if name == "drop_inherited":
             rows = ",".join("T" if r else "-" for r in a.args[1])
             return f"drop_inherited({_render(a.args[0], layer_of)}, streaming={rows})"
-        if name in ("heat_slot", "kinds_slot"):
+        if name in ("layer_slot", "kinds_slot"):
             return f"{name}({_render(a.args[0], layer_of)}, {a.args[1]})"
         if name == "selection_readers":
             streaming = ",".join("T" if r else "-" for r in a.args[2])

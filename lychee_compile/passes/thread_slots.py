@@ -1,0 +1,37 @@
+"""Pass `thread_slots`: close the chains of the per-layer cross-step states of a decode graph (heat, Quest
+descriptors; each only when enabled).
+
+Each rewritten op read state[:, i] (its global-layer slot, `layer_slot`) and returned an updated slice; here, per
+state, the slices are stacked back in slot order and written into the state buffer in place with
+lychee::write_state -- the only mutation, at the end of the graph, so every earlier use reads the previous step's
+values. Layouts: lychee_compile/ops/heat.py, lychee_compile/ops/quest.py.
+"""
+from __future__ import annotations
+
+import torch
+
+from .context import PassContext
+
+SLOT_STATES = ("heat", "quest")     # states with one slot per global layer (dim 1), updated by the ops
+
+
+def layer_slot(state: torch.Tensor, slot: int) -> torch.Tensor:
+    """state [B, Lg, ...] -> the slot's [B, ...] (a view: the op reads the previous step's values)."""
+    return state[:, slot]
+
+
+def stack_slots(*slices: torch.Tensor) -> torch.Tensor:
+    return torch.stack(slices, dim=1)
+
+
+def thread_slots(ctx: PassContext) -> None:
+    sites = sorted(ctx.sites, key=lambda s: s.layer_idx)
+    graph = ctx.gm.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    for name in SLOT_STATES:
+        outs = [s.state_out[name] for s in sites if name in s.state_out]
+        if not outs:
+            continue
+        with graph.inserting_before(output):
+            stacked = graph.call_function(stack_slots, tuple(outs))
+            graph.call_function(torch.ops.lychee.write_state.default, (ctx.state_inputs[name], stacked))
