@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+REENCODING_ATTR = "_lychee_reencoding"     # True while a re-encode's forward runs
+
 
 class Rectifier:
     def __init__(self, model, every: int):
@@ -47,9 +49,15 @@ class Rectifier:
                      else (padding.cumsum(-1) - 1).clamp_min(0)[:, -self.every:])
         for layer in cache.layers:
             layer.cumulative_length.sub_(self.every)
-        with torch.no_grad():
-            self.model(input_ids=tokens, position_ids=positions, attention_mask=padding, past_key_values=cache,
-                       use_cache=True)
+        # marked: the state wrapper (state_buffers.py) must not take this multi-token eager forward for a prefill
+        # (a prefill starts a new sequence and zeroes the heat)
+        setattr(self.model, REENCODING_ATTR, True)
+        try:
+            with torch.no_grad():
+                self.model(input_ids=tokens, position_ids=positions, attention_mask=padding, past_key_values=cache,
+                           use_cache=True)
+        finally:
+            setattr(self.model, REENCODING_ATTR, False)
 
 
 def padding_mask(mask, length: int, batch: int, device) -> torch.Tensor:

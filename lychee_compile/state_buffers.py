@@ -3,7 +3,7 @@
 lychee_compile() registers `_lychee_kinds` (always) and `_lychee_heat` (heat enabled) as non-persistent buffers,
 marks them static for Dynamo (one address for the model's life: CUDA graphs replay against it), and wraps the
 instance's forward so that every call announces them to the captured graph with lychee::bind_state, and every
-prefill zeroes the heat (a new sequence starts with none).
+prefill zeroes the heat (a new sequence starts with none; rectification's re-encode is not a prefill).
 
 Quest descriptors (`_lychee_quest`, Quest bounds on; layout in ops/quest.py) are sized from the cache, so the
 buffer is created by the first eager forward that carries a cache (generate()'s prefill), not at install. After
@@ -26,7 +26,7 @@ import torch
 from .config import LycheeConfigError
 from .ops.quest import block_descriptors, descriptor_dtype
 from .passes.context import LycheeCompileError
-from .rectify import padding_mask
+from .rectify import REENCODING_ATTR, padding_mask
 
 KINDS_ATTR = "_lychee_kinds"
 HEAT_ATTR = "_lychee_heat"
@@ -90,7 +90,11 @@ def _wrap_forward(model, keeper) -> None:
         x = kwargs.get("inputs_embeds") if x is None else x
         heat = getattr(model, HEAT_ATTR, None)
         if heat is not None:
-            _reset_heat(model, heat, batch=x.shape[0], prefill=x.shape[1] > 1)
+            # a prefill: any eager forward (generate() compiles only decode steps; a prompt may be one token) or a
+            # multi-token one, except rectification's re-encode of the last R tokens (same sequence, keeps its heat)
+            prefill = (x.shape[1] > 1 or not torch.compiler.is_compiling()) and not getattr(model, REENCODING_ATTR,
+                                                                                          False)
+            _reset_heat(model, heat, batch=x.shape[0], prefill=prefill)
             torch.ops.lychee.bind_state(getattr(model, HEAT_ATTR), "heat")
         desc = getattr(model, QUEST_ATTR, None)
         if desc is not None and torch.compiler.is_compiling():

@@ -41,3 +41,31 @@ def test_heat_matches_semantics_and_resets(arch, attn):
 def test_bad_decay(decay, message):
     with pytest.raises(LycheeConfigError, match=message):
         LycheeConfig(heat_blocks=2, heat_decay=decay)
+
+
+def test_heat_survives_rectification_and_one_token_prompt_resets_it(monkeypatch):
+    # rectification's re-encode is a multi-token eager forward of the SAME sequence: it must not zero the heat (it
+    # did: every eager call longer than one token counted as a prefill); a one-token prompt starts a new sequence
+    from lychee_compile.rectify import Rectifier
+    ids, mask = make_batch(lengths=(26, 17))
+    model, _ = compiled("llama", "sdpa", retrieval=mixed_map(make("llama", "sdpa")), **CFG, **HEAT, rectify_every=3)
+    seen = []
+    real = Rectifier._reencode
+
+    def spy(self, cache, m):
+        before = model._lychee_heat.clone()
+        real(self, cache, m)
+        seen.append((before, model._lychee_heat.clone()))
+    monkeypatch.setattr(Rectifier, "_reencode", spy)
+    generate_logits(model, ids, mask, 7)
+    assert len(seen) == 2, "7 decode steps with rectify_every=3 re-encode twice"
+    for before, after in seen:
+        assert before.abs().sum() > 0, "no heat accumulated before the re-encode: the check would show nothing"
+        assert torch.equal(before, after), "the re-encode changed the heat"
+
+    heat_before = model._lychee_heat.clone()
+    assert heat_before.abs().sum() > 0
+    one = torch.tensor([[5], [7]])
+    with torch.no_grad():    # an eager one-token prompt (a prefill): a new sequence, no heat
+        model(input_ids=one, attention_mask=torch.ones_like(one))
+    assert model._lychee_heat.abs().sum() == 0
