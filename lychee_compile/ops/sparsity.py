@@ -31,8 +31,10 @@ ACTIVE: "SparsityCollector | None" = None    # read by ops/reference.py; set onl
 class SparsityCollector:
     def __init__(self) -> None:
         self.calls = 0
-        self._attended: list[torch.Tensor] = []   # fp32 fractions, one tensor per call (kept on the op's device)
-        self._kept: list[torch.Tensor] = []       # int64 kept-block counts of reading retrieval heads
+        # (values [B, Hkv], which entries count [B, Hkv]) per call, left on the op's device: selecting the entries
+        # here (boolean indexing) would synchronize a CUDA device at every layer; summary() does it once, on the CPU
+        self._attended: list[tuple[torch.Tensor, torch.Tensor]] = []   # fp32 fractions, non-retrieval heads
+        self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []       # int64 kept blocks, reading retrieval heads
         self.capacity: int | None = None
 
     def record(self, attend: torch.Tensor, valid: torch.Tensor, is_retrieval: torch.Tensor, idx_out: torch.Tensor,
@@ -45,9 +47,9 @@ class SparsityCollector:
         retrieval = is_retrieval.reshape(1, Hkv).expand(B, Hkv)
         n_valid = valid.sum(-1, keepdim=True).clamp_min(1).to(torch.float32)             # [B, 1]
         frac = attend.sum(-1).to(torch.float32) / n_valid                                 # [B, Hkv]
-        self._attended.append(frac[~retrieval].detach())
+        self._attended.append((frac.detach(), ~retrieval))
         reads = retrieval if select is None else retrieval & select.to(torch.bool).reshape(1, Hkv)
-        self._kept.append((idx_out >= 0).sum(-1)[reads].detach())
+        self._kept.append(((idx_out >= 0).sum(-1).detach(), reads))
 
     def summary(self) -> dict:
         """n / mean / sd / min / max of the attended fraction (samples: step x layer x row x non-retrieval head)
@@ -56,8 +58,8 @@ class SparsityCollector:
                     kept_blocks=_moments(self._kept))
 
 
-def _moments(parts: list[torch.Tensor]) -> dict | None:
-    x = torch.cat([p.reshape(-1).to("cpu", torch.float64) for p in parts]) if parts else torch.zeros(0)
+def _moments(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> dict | None:
+    x = torch.cat([v.to("cpu", torch.float64)[m.to("cpu")] for v, m in parts]) if parts else torch.zeros(0)
     if x.numel() == 0:
         return None
     sd = float(x.std(correction=0)) if x.numel() > 1 else 0.0
