@@ -58,6 +58,9 @@ def parse(argv=None):
                    default="dense,lychee,quest,tidal,streamingllm,duo,random")
     g.add_argument("--budgets", type=_ints, default="256,512,1024")
     g.add_argument("--budgets-4k", type=_ints, default="2048", help="extra budgets of passkey4k")
+    g.add_argument("--policy-param", default="",
+                   help="parameters of the policy methods lychee-topp/-threshold/-ratio, e.g. "
+                        "topp=0.9,threshold=0.005,ratio=0.25 (lychee_compile/eval/methods.py: POLICY_DEFAULTS)")
     g.add_argument("--prompts", type=int, default=100, help="passkey2k prompts (depths cycle 0.1 ... 0.9)")
     g.add_argument("--prompts-4k", type=int, default=50)
     g.add_argument("--first-prompt", type=int, default=0,
@@ -91,6 +94,11 @@ def parse(argv=None):
             setattr(args, name, _ints(getattr(args, name)))
     if isinstance(args.methods, str):
         args.methods = [m for m in args.methods.split(",") if m]
+    from lychee_compile.eval.methods import MethodError, parse_policy_params
+    try:
+        args.policy_params = parse_policy_params(args.policy_param)
+    except MethodError as exc:
+        ap.error(str(exc))
     bad = set(args.stages.split(",")) - set(STAGES)
     if bad:
         ap.error(f"unknown stage(s) {sorted(bad)}; choose from {STAGES}")

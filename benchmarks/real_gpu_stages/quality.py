@@ -1,8 +1,10 @@
 """Stage `eval` (issue 6): the existing harness (lychee_compile/eval) on the GPU with many prompts.
 
 Parts (--eval-parts): passkey2k (>= 100 prompts), passkey4k (as many as fit), repeat2k, ppl2k; methods x budgets from
---methods / --budgets (passkey4k adds --budgets-4k). Every part runs dense too, so each part's paired differences
-are against its own dense row. Accuracy: Wilson 95%; differences and perplexity: bootstrap over prompts
+--methods / --budgets (passkey4k adds --budgets-4k); the policy methods (lychee-topp, lychee-threshold, lychee-ratio)
+take --policy-param. Each part's table includes what every compiled variant attended (ops/sparsity.py; measured by
+the eager reference op, hence --eval-backend eager or fp32). Every part runs dense too, so each part's paired
+differences are against its own dense row. Accuracy: Wilson 95%; differences and perplexity: bootstrap over prompts
 (lychee_compile/eval/stats.py via runner.summarize). A part stopped by the time box keeps the prompts it finished
 (every variant scored on each; marked partial).
 """
@@ -13,12 +15,13 @@ import dataclasses
 from .common import Deadline, TimeUp, load, log, shipped_map
 
 
-def specs_for(model, methods, budgets, head_map, backend):
+def specs_for(model, methods, budgets, head_map, backend, policy_params=None):
     from lychee_compile.eval.methods import method_spec
     out = [method_spec("dense", model, budgets[0])] if "dense" in methods else []
     for m in methods:
         if m != "dense":
-            out += [method_spec(m, model, b, head_map, backend=backend) for b in budgets]
+            out += [method_spec(m, model, b, head_map, backend=backend, policy_params=policy_params)
+                    for b in budgets]
     return out
 
 
@@ -81,5 +84,5 @@ def run(args, report, device: str) -> None:
         dl.check(f"before {part}")
         task, items = _items(part, tok, args)
         budgets = args.budgets + (args.budgets_4k if part == "passkey4k" else [])
-        specs = specs_for(model, args.methods, budgets, hm, args.eval_backend)
+        specs = specs_for(model, args.methods, budgets, hm, args.eval_backend, args.policy_params)
         run_part(model, tok, items, specs, task, res, report, dl, part)

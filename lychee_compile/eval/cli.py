@@ -4,11 +4,14 @@ decode path.
     lychee eval --task passkey --method dense,lychee,streamingllm,duo,random --budget 256,512 --lengths 2048 --trials 2
     lychee eval --task repeat --method dense,lychee --budget 512 --length 2048 --prompts 4 --score-tokens 32
     lychee eval --model gemma3-270m --task passkey --method dense,lychee --budget 256 --trials 2
+    lychee eval --task passkey --method dense,lychee,lychee-topp,lychee-ratio --policy-param topp=0.9,ratio=0.25
 
 Each prompt is prefilled once, densely; every method scores a copy of that cache with teacher-forced decode steps
 through the callable generate() compiles (see lychee_compile/eval/scoring.py). Writes TASK.json (every record,
-settings, compile counters) and TASK.md (table with 95% intervals) to --out, and passkey heatmaps per method.
-Methods: dense, lychee, tidal, streamingllm, duo, random, quest (see eval/methods.py for each one's mapping).
+settings, compile counters, what each variant attended) and TASK.md (table with 95% intervals, and a sparsity table:
+attended % of the context per non-retrieval head, blocks kept per retrieval selection) to --out, and passkey heatmaps
+per method. Methods: dense, lychee (top-k), lychee-topp, lychee-threshold, lychee-ratio (selection policies,
+parameters from --policy-param), tidal, streamingllm, duo, random, quest (see eval/methods.py for each one's mapping).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import time
 
 
 def add_parser(sub) -> None:
-    from .methods import METHODS, UNAVAILABLE
+    from .methods import METHODS, POLICY_DEFAULTS, UNAVAILABLE
     from .tasks import DEPTHS, NOT_DONE_TASKS, TASKS
     import argparse
     p = sub.add_parser("eval", formatter_class=argparse.RawDescriptionHelpFormatter, help="quality of methods x budgets on the real model (passkey, repeat, ppl, RULER-style)",
@@ -38,7 +41,11 @@ def add_parser(sub) -> None:
                         "anyway)")
     p.add_argument("--method", default="dense,lychee",
                    help=f"comma-separated, from {','.join(METHODS)} (default dense,lychee)")
-    p.add_argument("--budget", default="512", help="comma-separated token budgets (default 512)")
+    p.add_argument("--budget", default="512", help="comma-separated token budgets (default 512); for the policy "
+                                                   "methods the capacity: at most ceil(budget / 16) blocks kept")
+    p.add_argument("--policy-param", default="",
+                   help="parameters of lychee-topp / lychee-threshold / lychee-ratio, e.g. topp=0.9,threshold=0.005,"
+                        f"ratio=0.25 (each in (0, 1]; defaults {','.join(f'{k}={v:g}' for k, v in POLICY_DEFAULTS.items())})")
     p.add_argument("--head-map", help="HeadMap file for lychee/duo/random (default: the shipped learned map, "
                                       "else the placeholder layers 0,1,15)")
     p.add_argument("--lengths", default="2048", help="passkey: comma-separated context lengths (default 2048)")
@@ -72,10 +79,15 @@ def run(args) -> int:
     from ..head_map import HeadMap
     from ..real_model import RealModelUnavailable
     from .models import load_eval_model
-    from .methods import MethodError, default_head_map, method_spec
+    from .methods import MethodError, default_head_map, method_spec, parse_policy_params
     from .runner import markdown_table, run_eval, summarize, write_outputs
     from .tasks import passkey_items, repeat_items, text_items
 
+    try:     # before loading the model: a typo in the option fails in a second, not after the load
+        policy_params = parse_policy_params(args.policy_param)
+    except MethodError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     if args.verbose:
         import logging
@@ -102,7 +114,8 @@ def run(args) -> int:
                 specs.append(method_spec("dense", model, budgets[0]))
                 continue
             for b in budgets:
-                specs.append(method_spec(m, model, b, hm, backend=args.backend, seed=args.random_seed))
+                specs.append(method_spec(m, model, b, hm, backend=args.backend, seed=args.random_seed,
+                                         policy_params=policy_params))
     except MethodError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ select nothing, so that field only has to pass validation).
 |--------------|-----------------------------------------------|----------------------------------------------|-------------|
 | dense        | (uncompiled model)                            |                                              |             |
 | lychee       | the given head map                            | sparse: sink + local + inherited blocks      | forced all retrieval |
+| lychee-topp, lychee-threshold, lychee-ratio | as lychee; retrieval heads keep the policy's n <= K = ceil(budget / block_size) ranked blocks (LycheeConfig.selection; parameter from `policy_params`, defaults POLICY_DEFAULTS) | sparse: sink + local + the n inherited blocks | forced |
 | tidal        | whole layers (default 0, 1, 2 and 13/32 of depth: TidalDecode's full layers 0-1, selection layer 2, re-selection layer) | sparse | forced |
 | streamingllm | none                                          | streaming: sink + window of budget + local   | not forced (streaming too) |
 | duo          | the given map's retrieval heads (full context) | streaming: sink + window of budget + local  | not forced  |
@@ -20,6 +21,12 @@ select nothing, so that field only has to pass validation).
 
 A retrieval head attends the whole context (and selects blocks for the sparse heads after it), so DuoAttention's
 "retrieval heads keep full attention" is exactly a lychee retrieval head.
+
+Selection policies (LycheeDecode §4.4.1, ops/policies.py): `lychee` is top-k (always K blocks). The policy methods
+keep a data-dependent n <= K, so `budget` is their capacity, not what they attend; the harness measures what they do
+attend (ops/sparsity.py, the "attended %" columns). Their parameter is part of the label (`lychee-topp=0.9@512`), so
+two parameters of one policy are two variants: p of topp (attention mass incl. sink + local), tau of threshold (a
+block's mass, i.e. its share of the group's mean probability), theta of ratio (fraction of the valid blocks).
 """
 from __future__ import annotations
 
@@ -32,7 +39,11 @@ import torch
 from ..config import LycheeConfig
 from ..head_map import HeadMap, model_geometry
 
-METHODS = ("dense", "lychee", "tidal", "streamingllm", "duo", "random", "quest")
+POLICY_METHODS = {"lychee-topp": "topp", "lychee-threshold": "threshold", "lychee-ratio": "ratio"}
+# Defaults of --policy-param: p = 0.9 (LycheeDecode's top-p setting range), tau = 0.005 (a block holding 0.5% of the
+# mass; ~1/200, so at 2K tokens = 128 blocks a uniform block (1/128) passes), theta = 0.25 (a quarter of the context).
+POLICY_DEFAULTS = {"topp": 0.9, "threshold": 0.005, "ratio": 0.25}
+METHODS = ("dense", "lychee", *POLICY_METHODS, "tidal", "streamingllm", "duo", "random", "quest")
 UNAVAILABLE: dict[str, str] = {}
 if "quest" not in {f.name for f in __import__("dataclasses").fields(LycheeConfig)}:   # older checkouts
     METHODS = METHODS[:-1]
@@ -54,12 +65,47 @@ class MethodSpec:
     budget: int | None = None       # the nominal budget (tokens a non-retrieval head attends beyond sink + local)
 
     @property
+    def variant(self) -> str:
+        """The method with its selection parameter, if it has one: "lychee", "lychee-topp=0.9"."""
+        if self.config is None or self.name not in POLICY_METHODS:
+            return self.name
+        return f"{self.name}={self.config.selection_param:g}"
+
+    @property
     def label(self) -> str:
-        return self.name if self.config is None else f"{self.name}@{self.budget}"
+        return self.name if self.config is None else f"{self.variant}@{self.budget}"
 
 
 def _spec(budget, name, head_map, config, description) -> MethodSpec:
     return MethodSpec(name, head_map, config, description, budget)
+
+
+def parse_policy_params(text: str | None) -> dict[str, float]:
+    """"topp=0.9,ratio=0.25" -> POLICY_DEFAULTS with those entries replaced (the --policy-param option)."""
+    params = dict(POLICY_DEFAULTS)
+    seen = set()
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        key, sep, value = (x.strip() for x in part.partition("="))
+        if not sep:
+            raise MethodError(f"--policy-param: {part.strip()!r} is not POLICY=VALUE (e.g. topp=0.9,ratio=0.25)")
+        if key not in POLICY_DEFAULTS:
+            hint = " (topk keeps K = ceil(budget / block_size) blocks: set --budget)" if key == "topk" else ""
+            raise MethodError(f"--policy-param: unknown policy {key!r}; choose from "
+                              f"{', '.join(POLICY_DEFAULTS)}{hint}")
+        if key in seen:
+            raise MethodError(f"--policy-param: {key} given twice; give one value per policy")
+        try:
+            x = float(value)
+        except ValueError:
+            raise MethodError(f"--policy-param: {key}={value!r} is not a number") from None
+        if not 0.0 < x <= 1.0:   # NaN fails this too
+            raise MethodError(f"--policy-param: {key}={value} must be in (0, 1] (a probability mass, threshold or "
+                              "fraction of the context)")
+        seen.add(key)
+        params[key] = x
+    return params
 
 
 def default_head_map(model) -> tuple[HeadMap, str]:
@@ -103,9 +149,10 @@ def retrieval_count_beyond_first(head_map: HeadMap) -> int:
 
 def method_spec(name: str, model, budget: int, head_map: HeadMap | None = None, *, block_size: int = 16,
                 sink_tokens: int = 16, local_tokens: int = 64, backend: str = "eager", seed: int = 0,
-                layers: list[int] | None = None) -> MethodSpec:
+                layers: list[int] | None = None, policy_params: dict[str, float] | None = None) -> MethodSpec:
     """The (HeadMap, LycheeConfig) of method `name` at `budget` tokens. `head_map`: the map lychee, duo and random
-    start from (default: default_head_map(model)); `layers`: tidal's whole retrieval layers."""
+    start from (default: default_head_map(model)); `layers`: tidal's whole retrieval layers; `policy_params`: the
+    policy methods' parameters (parse_policy_params; default POLICY_DEFAULTS)."""
     if name in UNAVAILABLE:
         raise MethodError(f"method {name!r} is not available: {UNAVAILABLE[name]}")
     if name not in METHODS:
@@ -113,7 +160,7 @@ def method_spec(name: str, model, budget: int, head_map: HeadMap | None = None, 
                           f"(not available: {', '.join(UNAVAILABLE)})")
     if name == "dense":
         return MethodSpec("dense", None, None, "dense attention, uncompiled model", None)
-    if head_map is None and name in ("lychee", "duo", "random"):
+    if head_map is None and name in ("lychee", "duo", "random", *POLICY_METHODS):
         head_map, _ = default_head_map(model)
     base = dict(budget=budget, block_size=block_size, sink_tokens=sink_tokens, backend=backend)
     n_layers, n_kv = model_geometry(model.config)
@@ -121,6 +168,16 @@ def method_spec(name: str, model, budget: int, head_map: HeadMap | None = None, 
         cfg = LycheeConfig(local_tokens=local_tokens, **base)
         return _spec(budget, name, head_map, cfg, f"given map ({int(head_map.retrieval.sum())} retrieval heads, "
                                                f"method={head_map.metadata.get('method', '?')}), sparse others")
+    if name in POLICY_METHODS:
+        policy = POLICY_METHODS[name]
+        params = POLICY_DEFAULTS if policy_params is None else policy_params
+        if policy not in params:
+            raise MethodError(f"{name}: no parameter for policy {policy!r} in {params} (use parse_policy_params)")
+        cfg = LycheeConfig(local_tokens=local_tokens, selection=policy, selection_param=float(params[policy]),
+                           **base)
+        return _spec(budget, name, head_map, cfg,
+                     f"given map ({int(head_map.retrieval.sum())} retrieval heads), retrieval heads keep "
+                     f"{policy}({cfg.selection_param:g}) blocks, at most K = {cfg.num_select}; sparse others")
     if name == "tidal":
         layers = tidal_layers(n_layers) if layers is None else sorted(layers)
         hm = HeadMap.for_model(model, layers=layers, method="tidal-layers")

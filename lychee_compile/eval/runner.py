@@ -44,7 +44,7 @@ def run_eval(model, tokenizer, items, specs: list[MethodSpec], progress: bool = 
             records.append(dict(item=ii, method=v.spec.name, budget=v.spec.budget,
                                 label=v.label, nll=s.nll, hit_rate=sum(s.hits) / len(s.hits), all_hit=s.all_hit,
                                 n_targets=len(item.targets), score_s=round(dt, 3), prefill_s=round(prefill_s, 3),
-                                **item.meta))
+                                sparsity=s.sparsity, **item.meta))
             bar.update(1)
         del pre
         if on_item is not None and ii < len(items) - 1:
@@ -64,8 +64,8 @@ def _results(task, records, variants, compile_s, started, partial=False) -> dict
                                      sites_sliding=c.sites_sliding, graphs_left_dense=c.graphs_left_dense,
                                      global_layers=list(state_of(v.model).global_layers))
     return dict(task=task, partial=partial, records=list(records), counters=counters, first_item_s=dict(compile_s),
-                variants=[dict(label=v.label, method=v.spec.name, description=v.spec.description,
-                               budget=v.spec.budget,
+                variants=[dict(label=v.label, method=v.spec.name, variant=v.spec.variant,
+                               description=v.spec.description, budget=v.spec.budget,
                                config=None if v.spec.config is None else _cfg_dict(v.spec.config),
                                head_map_digest=None if v.spec.head_map is None else v.spec.head_map.digest(),
                                retrieval_heads=None if v.spec.head_map is None else int(v.spec.head_map.retrieval.sum()),
@@ -93,10 +93,13 @@ def summarize(results: dict, reference: str = "dense") -> list[dict]:
         hits = [recs[i]["all_hit"] for i in items]
         nlls = [recs[i]["nll"] for i in items]
         k, n = sum(hits), len(hits)
-        row = dict(label=v["label"], method=v["method"], budget=v["budget"], n=n, correct=k,
+        # .get: JSON written before the policy methods has no "variant" (its method name is the variant)
+        row = dict(label=v["label"], method=v["method"], variant=v.get("variant", v["method"]),
+                   budget=v["budget"], n=n, correct=k,
                    accuracy=k / n if n else float("nan"), accuracy_ci=stats.wilson(k, n),
                    ppl=stats.ppl_of(nlls), ppl_ci=tuple(math.exp(x) for x in stats.bootstrap(nlls, stats.mean)),
-                   token_hit_rate=stats.mean(recs[i]["hit_rate"] for i in items))
+                   token_hit_rate=stats.mean(recs[i]["hit_rate"] for i in items),
+                   sparsity=sparsity_summary([recs[i].get("sparsity") for i in items]))
         if ref is not None and v["label"] != reference:
             pairs = [(recs[i], ref[i]) for i in items if i in ref]
             row["acc_diff_vs_ref"] = stats.mean(float(a["all_hit"]) - float(b["all_hit"]) for a, b in pairs)
@@ -109,6 +112,53 @@ def summarize(results: dict, reference: str = "dense") -> list[dict]:
     return rows
 
 
+def sparsity_summary(per_prompt: list[dict | None]) -> dict | None:
+    """Per variant, from each prompt's ops/sparsity.py summary: for the attended fraction of non-retrieval heads and
+    the blocks kept per retrieval selection, the mean of the prompts' means (prompts weigh equally), the SD of those
+    means across prompts, and the min / max over every sample. None for dense (nothing measured)."""
+    got = [p for p in per_prompt if p is not None]
+    if not got:
+        return None
+    if len(got) != len(per_prompt):
+        raise ValueError("some prompts of a variant have sparsity numbers and some do not; refusing to mix them")
+    out = dict(prompts=len(got), capacity=got[0]["capacity"])
+    for key in ("attended", "kept_blocks"):
+        ms = [p[key] for p in got if p[key] is not None]
+        if not ms:
+            out[key] = None
+            continue
+        means = [m["mean"] for m in ms]
+        mu = stats.mean(means)
+        sd = math.sqrt(sum((x - mu) ** 2 for x in means) / (len(means) - 1)) if len(means) > 1 else 0.0
+        out[key] = dict(mean=mu, sd_prompts=sd, min=min(m["min"] for m in ms), max=max(m["max"] for m in ms),
+                        samples=sum(m["n"] for m in ms))
+    return out
+
+
+def sparsity_table(summary: list[dict], task: str) -> str:
+    """LycheeDecode Table 6 style: per variant its quality and what it attended. Empty if nothing was measured."""
+    rows = [r for r in summary if r.get("sparsity")]
+    if not rows:
+        return ""
+    acc = task not in ("repeat", "ppl")
+    head = ("| method | budget (K blocks) | n | " + ("accuracy %" if acc else "perplexity")
+            + " | attended % of context, non-retrieval heads: mean (sd over prompts) [min, max] | sparsity % "
+              "| blocks kept per retrieval selection: mean (sd) [min, max] |\n|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        sp = r["sparsity"]
+        a, kb = sp["attended"], sp["kept_blocks"]
+        att = "n/a" if a is None else (f"{100 * a['mean']:.1f} ({100 * a['sd_prompts']:.1f}) "
+                                       f"[{100 * a['min']:.1f}, {100 * a['max']:.1f}]")
+        spa = "n/a" if a is None else f"{100 * (1 - a['mean']):.1f}"
+        kept = "n/a" if kb is None else (f"{kb['mean']:.2f} ({kb['sd_prompts']:.2f}) "
+                                         f"[{kb['min']:.0f}, {kb['max']:.0f}]")
+        quality = _pct(r["accuracy"]) if acc else f"{r['ppl']:.3f}"
+        lines.append(f"| {r['variant']} | {r['budget']} ({sp['capacity']}) | {r['n']} | {quality} | {att} | {spa} "
+                     f"| {kept} |")
+    return head + "\n".join(lines) + "\n"
+
+
 def _pct(x) -> str:
     return "n/a" if x is None or x != x else f"{100 * x:.1f}"
 
@@ -116,19 +166,22 @@ def _pct(x) -> str:
 def markdown_table(summary: list[dict], task: str) -> str:
     if task not in ("repeat", "ppl"):       # accuracy tasks: passkey and the RULER-style ones
         head = "| method | budget | n | accuracy % [95% CI] | Δ vs dense, points [95% CI] | answer-token hit % |\n|---|---|---|---|---|---|\n"
-        lines = [f"| {r['method']} | {r['budget'] or '-'} | {r['n']} | {_pct(r['accuracy'])} "
+        lines = [f"| {r['variant']} | {r['budget'] or '-'} | {r['n']} | {_pct(r['accuracy'])} "
                  f"[{_pct(r['accuracy_ci'][0])}, {_pct(r['accuracy_ci'][1])}] | "
                  + (f"{100 * r['acc_diff_vs_ref']:+.1f} [{100 * r['acc_diff_ci'][0]:+.1f}, {100 * r['acc_diff_ci'][1]:+.1f}]"
                     if "acc_diff_vs_ref" in r else "-")
                  + f" | {_pct(r['token_hit_rate'])} |" for r in summary]
     else:
         head = "| method | budget | n | perplexity [95% CI] | ratio vs dense [95% CI] | token hit % |\n|---|---|---|---|---|---|\n"
-        lines = [f"| {r['method']} | {r['budget'] or '-'} | {r['n']} | {r['ppl']:.3f} "
+        lines = [f"| {r['variant']} | {r['budget'] or '-'} | {r['n']} | {r['ppl']:.3f} "
                  f"[{r['ppl_ci'][0]:.3f}, {r['ppl_ci'][1]:.3f}] | "
                  + (f"{r['ppl_ratio_vs_ref']:.3f} [{r['ppl_ratio_ci'][0]:.3f}, {r['ppl_ratio_ci'][1]:.3f}]"
                     if "ppl_ratio_vs_ref" in r else "-")
                  + f" | {_pct(r['token_hit_rate'])} |" for r in summary]
-    return head + "\n".join(lines) + "\n"
+    table = head + "\n".join(lines) + "\n"
+    sparse = sparsity_table(summary, task)
+    return table + ("\nWhat the variants attended (ops/sparsity.py; per decode step and global layer):\n\n" + sparse
+                    if sparse else "")
 
 
 def passkey_grid(results: dict, label: str) -> tuple[list, list, list[list[float]], list[list[int]]]:
@@ -205,11 +258,11 @@ def plot_budget_sweep(summaries: list[list[dict]], path: str, task: str, title: 
         ax.axhline(val, color="k", lw=1, label=f"dense (n={dense['n']})")
         ax.axhspan(ci[0], ci[1], color="k", alpha=0.08)
     methods = []
-    for r in rows:
-        if r["method"] != "dense" and r["method"] not in methods:
-            methods.append(r["method"])
+    for r in rows:     # one line per variant (lychee-topp=0.8 and =0.9 apart); older summaries: per method
+        if r["method"] != "dense" and r.get("variant", r["method"]) not in methods:
+            methods.append(r.get("variant", r["method"]))
     for i, m in enumerate(methods):
-        pts = sorted((r for r in rows if r["method"] == m), key=lambda r: r["budget"])
+        pts = sorted((r for r in rows if r.get("variant", r["method"]) == m), key=lambda r: r["budget"])
         xs = [r["budget"] * (1 + 0.03 * (i - len(methods) / 2)) for r in pts]   # small offsets: bars stay apart
         ys = [r["accuracy"] if acc else r["ppl"] for r in pts]
         cis = [r["accuracy_ci"] if acc else r["ppl_ci"] for r in pts]

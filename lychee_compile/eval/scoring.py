@@ -17,12 +17,17 @@ import dataclasses
 
 import torch
 
+from ..ops.sparsity import collect_sparsity
 from ..state_buffers import HEAT_ATTR
 from .methods import MethodSpec
 
 
 class DenseFallback(RuntimeError):
     """A variant that should run the sparse path did not (no rewritten graph, or a graph left dense)."""
+
+
+class SparsityNotMeasured(RuntimeError):
+    """The sparsity collector did not see exactly one op call per decode step and global layer."""
 
 
 def configure_dynamo(recompile_limit: int = 256) -> None:
@@ -59,6 +64,7 @@ def dense_prefill(model, input_ids: torch.Tensor, max_cache_len: int) -> Prefill
 class TokenScores:
     logprobs: list[float]     # log p(target_i) for each target token
     hits: list[bool]          # argmax == target_i (greedy would have produced it, given the earlier targets)
+    sparsity: dict | None = None   # compiled variants: ops/sparsity.py's summary over these decode steps
 
     @property
     def nll(self) -> float:
@@ -120,10 +126,29 @@ class Variant:
         return self.spec.label
 
     def score(self, prefill: Prefill, targets: list[int]) -> TokenScores:
-        scores = score_steps(self.sequence_call(), prefill, targets)
+        if self.spec.config is None:
+            return score_steps(self.call, prefill, targets)
+        # What the sparse heads attend, measured by the eager reference op (ops/sparsity.py explains the choice).
+        with collect_sparsity() as collector:
+            scores = score_steps(self.sequence_call(), prefill, targets)
         if len(targets) > 1:
             self.check_sparse()
+            if collector.calls:   # 0: a lowering that does not run the reference (Triton, bf16 CUDA): not measured
+                self._check_measured(collector.calls, len(targets) - 1)
+                scores.sparsity = collector.summary()
         return scores
+
+    def _check_measured(self, calls: int, steps: int) -> None:
+        """Every decode step must have reported every global layer once; anything else would make the sparsity
+        numbers wrong, so refuse. (No report at all -- a lowering that does not run the reference, e.g. Triton on bf16
+        CUDA -- leaves the record's sparsity None: the tables then show no sparsity row for it.)"""
+        from ..api import state_of
+        want = steps * len(state_of(self.model).global_layers)
+        if calls != want:
+            raise SparsityNotMeasured(f"{self.label}: the sparsity collector saw {calls} op calls, expected {want} "
+                                f"({steps} decode steps x {len(state_of(self.model).global_layers)} global layers). "
+                                "Only the eager reference op reports them: evaluate with backend 'eager' (or fp32 "
+                                "Inductor, which calls the reference).")
 
     def sequence_call(self):
         """The decode callable for one new sequence. The prefill ran on the base model, so the per-sequence state

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from . import sparsity
 from .index_state import EMPTY
 from .quest import QUEST_MODES, block_min_max, quest_bound, update_descriptors
 from .policies import POLICIES, rank_score, ranked_selection, select_top_blocks  # noqa: F401  (select_top_blocks: training)
@@ -126,6 +127,8 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
     if select is not None:   # a retrieval head nobody reads from selects nothing (kernels skip the top-k)
         selected = torch.where(select.to(torch.bool)[None, :, None], selected, torch.full_like(selected, EMPTY))
     idx_out = torch.where(is_retrieval, selected, idx_in)
+    if sparsity.ACTIVE is not None:   # evaluation only (ops/sparsity.py): reads what was computed, changes nothing
+        sparsity.ACTIVE.record(attend, valid, is_retrieval, idx_out, select)
     if quest_desc is not None:
         return out, idx_out, desc_out
     if heat is None:
