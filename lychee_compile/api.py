@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-import types
 
 import torch
 
 from .backend import make_backend
 from .config import LycheeConfig, LycheeConfigError
-from .dynamic_cache import install_dynamic_cache
+from .dynamic_cache import fresh_call, install_dynamic_cache
 from .head_map import HeadMap, HeadMapError
 from .rectify import install_rectification
 from .state_buffers import install_state, write_kinds
@@ -140,7 +139,8 @@ def probe_global_layers(model, config: LycheeConfig) -> list[int]:
     try:
         # generate() compiles through get_compiled_call; give it a call of its own so the probe's Dynamo cache
         # entry lands on a fresh code object instead of HF's shared wrapper (whose recompile limit users need).
-        model.get_compiled_call = lambda _config: torch.compile(_fresh_call(model), backend=probe_backend,
+        model.get_compiled_call = lambda _config: torch.compile(fresh_call(model, "lychee_probe_call"),
+                                                                backend=probe_backend,
                                                                 fullgraph=True)
         with torch.no_grad():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
@@ -157,12 +157,6 @@ def probe_global_layers(model, config: LycheeConfig) -> list[int]:
         raise LycheeCompileError("the probe generate() never compiled a decode step, so no attention could be "
                                  "checked; is this a transformers causal LM that supports a static cache?")
     return sorted(s.layer_idx for s in decode[0].sites if s.kind == "global")
-
-
-def _fresh_call(model):
-    def call(*args, **kwargs):
-        return model(*args, **kwargs)
-    return types.FunctionType(call.__code__.replace(), call.__globals__, "lychee_probe_call", None, call.__closure__)
 
 
 def _unwrap(exc: BaseException) -> BaseException:

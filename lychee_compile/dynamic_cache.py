@@ -45,7 +45,8 @@ def install_dynamic_cache(model, backend, config, before_decode=None) -> None:
 
 def _route_decode_steps(model, backend, config, before_decode) -> None:
     inner = model.forward
-    compiled = torch.compile(_fresh(inner), backend=backend, fullgraph=True, dynamic=True)
+    compiled = torch.compile(fresh_call(inner, "lychee_dynamic_decode"), backend=backend, fullgraph=True,
+                             dynamic=True)
 
     # wraps: generate() reads forward's signature to decide which inputs to pass (position_ids, logits_to_keep).
     @functools.wraps(inner)
@@ -81,10 +82,10 @@ def _let_cache_objects_in(model) -> None:
     model.generate = generate
 
 
-def _fresh(fn):
+def fresh_call(fn, name: str):
     """A function calling fn, on a code object of its own: Dynamo keys its cache (and recompile limit) by code
-    object, so each model gets its own entries instead of sharing one with every other model."""
+    object, so each model (and each use: the probe, the dynamic-cache decode) gets its own entries instead of
+    sharing one with every other model."""
     def call(*args, **kwargs):
         return fn(*args, **kwargs)
-    return types.FunctionType(call.__code__.replace(), call.__globals__, "lychee_dynamic_decode", None,
-                              call.__closure__)
+    return types.FunctionType(call.__code__.replace(), call.__globals__, name, None, call.__closure__)
