@@ -117,7 +117,8 @@ def test_kernel_selection_width_tiers(tiers):
     # in the widest (NBR = 32); the radix select's result must not depend on the width
     _, cp = kernel_params(G=2, Hkv=2, D=64, K_sel=5, block_size=16, sink_tokens=16, local_tokens=32, scale=0.125,
                           num_splits=6, nb_hint=25, nbr_max=32, select_tiers=tiers)
-    assert (cp["NR1"], cp["NR2"], cp["NBR"]) == (min(tiers[0], 32), min(tiers[1], 32), 32)
+    assert (cp["NR1"], cp["NR2"], cp["NRT"], cp["NBR"]) == (min(tiers[0], 32), min(tiers[1], 32),
+                                                             min(tiers[1], 32) // 8, 32)
     args = make_case(2, 2, 2, 64, 400, torch.bfloat16, 16, 5, 16, 32, [(0, 400), (21, 391)], [True, False], seed=4)
     check(*args, 0.125, 16, 16, 32, num_splits=6, nbr_max=32, select_tiers=tiers)
 
@@ -274,8 +275,8 @@ from {module} import _lychee_select
 
 @triton.jit
 def probe(KEYS, OUT, NB, n, KSEL: tl.constexpr, KP: tl.constexpr, NBR: tl.constexpr, NR1: tl.constexpr,
-          NR2: tl.constexpr, LOWB: tl.constexpr):
-    _lychee_select(KEYS, NB, OUT, 1, n, KSEL, KP, NBR, NR1, NR2, LOWB)
+          NR2: tl.constexpr, NRT: tl.constexpr, LOWB: tl.constexpr):
+    _lychee_select(KEYS, NB, OUT, 1, n, KSEL, KP, NBR, NR1, NR2, NRT, LOWB)
 '''
 
 
@@ -293,7 +294,7 @@ def test_select_exact_on_crafted_keys(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     import select_probe
     gen = torch.Generator().manual_seed(0)
-    checked = 0
+    checked = tails = 0
     for trial in range(60):
         NB = int(torch.randint(1, 100, (), generator=gen))
         keys = torch.rand(NB, generator=gen) ** 8
@@ -311,12 +312,14 @@ def test_select_exact_on_crafted_keys(tmp_path, monkeypatch):
         cand = sorted(((-int(ik[i]), i) for i in range(NB) if ik[i] >= 0))
         ref = sorted(i for _, i in cand[:n])
         ref += [-1] * (8 - len(ref))
-        for nbr, t1, t2 in ((64, 16, 32), (16, 16, 16), (128, 32, 64), (32, 8, 16)):
+        # (NBR, NR1, NR2, NRT): NB in (NR2, NR2 + NRT] takes the two-row (NR2 + tail) path
+        for nbr, t1, t2, tail in ((64, 16, 32, 4), (16, 16, 16, 2), (128, 32, 64, 8), (32, 8, 16, 2), (128, 4, 32, 64)):
             out = torch.full((8,), -5, dtype=torch.int32)
-            select_probe.probe[(1,)](ik, out, NB, n, 8, 8, nbr, t1, t2, RANK_DROP_BITS)
+            select_probe.probe[(1,)](ik, out, NB, n, 8, 8, nbr, t1, t2, tail, RANK_DROP_BITS)
             out0 = torch.full((8,), -5, dtype=torch.int32)                   # LOWB = 0: the exact path too
-            select_probe.probe[(1,)](ik, out0, NB, n, 8, 8, nbr, t1, t2, 0)
+            select_probe.probe[(1,)](ik, out0, NB, n, 8, 8, nbr, t1, t2, tail, 0)
             assert out0.tolist() == ref, (nbr, t1, t2, NB, n, ik.tolist())
             assert out.tolist() == ref, (nbr, t1, t2, NB, n, ik.tolist())
             checked += 1
-    assert checked == 60 * 4
+            tails += int(t2 < NB <= t2 + tail and nbr > t2)
+    assert checked == 60 * 5 and tails >= 5, tails

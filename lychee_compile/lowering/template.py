@@ -47,7 +47,8 @@ GLOSSARY = '''
     # D        head dim (constexpr: 64/128/256)
     # BS       tokens per KV block             BLOCK_N tokens per tile (multiple of BS)   NBT = BLOCK_N // BS
     # KSEL     index-state width K             KP     KSEL padded to a power of two
-    # NBR      widest key row kept in registers by the selection; NR1 <= NR2 <= NBR narrower tiers (combine only)
+    # NBR      widest key row kept in registers by the selection; NR1 <= NR2 <= NBR narrower tiers, NRT = NR2 / 8
+    #          a tail row beside NR2 (combine only)
     # LOWB     low key bits cleared (top-k: policies.RANK_DROP_BITS; other policies 0): the threshold searches
     #          cover bits 30..LOWB only
     # POLICY, PARAM  selection policy code (policies.POLICIES: 0 topk, 1 topp, 2 threshold, 3 ratio) and its
@@ -359,7 +360,7 @@ COMBINE_SOURCE = '''
             if ticket == NKC - 1:
                 tl.store(CNT + seg, 0)
                 n = _lychee_keep_count(key_base, NBV, lo, hi, POLICY, PARAM, KSEL, G, BS, NBR, LOWB)
-                _lychee_select(key_base, NBV, out_base, stride_ok, n, KSEL, KP, NBR, NR1, NR2, LOWB)
+                _lychee_select(key_base, NBV, out_base, stride_ok, n, KSEL, KP, NBR, NR1, NR2, NRT, LOWB)
 ''' + '''
 
 @triton.jit
@@ -448,42 +449,46 @@ def _lychee_topp_count(KEYS_ROW, NB, P: tl.constexpr, G: tl.constexpr, NBR: tl.c
 
 @triton.jit
 def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, KP: tl.constexpr, NBR: tl.constexpr,
-                   NR1: tl.constexpr, NR2: tl.constexpr, LOWB: tl.constexpr):
+                   NR1: tl.constexpr, NR2: tl.constexpr, NRT: tl.constexpr, LOWB: tl.constexpr):
     # Top-n (n <= KSEL, runtime) of the int32 keys of one row (larger first, ties to the lower block; negative = not
     # a candidate), written ascending and EMPTY-padded to KSEL. Exact: counting passes over the key bits find the
     # n-th largest key thr; then keys > thr and the first (n - #greater) keys == thr in block order are taken. No
-    # passes at all when every candidate fits. The keys
-    # live in registers, in the smallest width tier (NR1 <= NR2 <= NBR) that holds the row's NB keys at run time:
-    # the width follows the valid length, not the cache capacity (a 4K row in a 128K cache costs a 4K selection).
-    # A row longer than NBR is walked in NBR chunks per pass (same result).
+    # passes at all when every candidate fits. The keys live in registers, in the narrowest width tier that holds
+    # the row's NB keys at run time: NR1, NR2, NR2 plus a tail of NRT (a row just past a power of two -- 128K
+    # tokens plus the generated ones -- must not pay twice the width), NBR. The width follows the valid length,
+    # not the cache capacity. A row longer than NBR is walked in NBR chunks per pass (same result).
     if NB <= NR1:
-        _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NR1, True, LOWB)
+        _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NR1, True, 0, LOWB)
     else:
         if NR2 > NR1:
             if NB <= NR2:
-                _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NR2, True, LOWB)
+                _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NR2, True, 0, LOWB)
             else:
-                _lychee_select_wide(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, NR2, LOWB)
+                _lychee_select_wide(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, NR2, NRT, LOWB)
         else:
-            _lychee_select_wide(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, NR2, LOWB)
+            _lychee_select_wide(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, NR2, NRT, LOWB)
 
 
 @triton.jit
 def _lychee_select_wide(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, KP: tl.constexpr,
-                        NBR: tl.constexpr, NR2: tl.constexpr, LOWB: tl.constexpr):
+                        NBR: tl.constexpr, NR2: tl.constexpr, NRT: tl.constexpr, LOWB: tl.constexpr):
+    """NB > NR2: NR2 + its tail, the NBR tier, or NBR-wide chunks."""
     if NBR > NR2:
-        if NB <= NBR:
-            _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, True, LOWB)
+        if NB <= NR2 + NRT:
+            _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NR2, True, NRT, LOWB)
+        elif NB <= NBR:
+            _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, True, 0, LOWB)
         else:
-            _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, False, LOWB)
+            _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, False, 0, LOWB)
     else:
-        _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, False, LOWB)
+        _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, False, 0, LOWB)
 
 
 @triton.jit
 def _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, KP: tl.constexpr, NR: tl.constexpr,
-                        ONE_CHUNK: tl.constexpr, LOWB: tl.constexpr):
-    """_lychee_select with keys [0, NB) read NR at a time (ONE_CHUNK: NB <= NR, the row stays in registers).
+                        ONE_CHUNK: tl.constexpr, TAIL: tl.constexpr, LOWB: tl.constexpr):
+    """_lychee_select with keys [0, NB) read NR at a time (ONE_CHUNK: NB <= NR + TAIL, the row stays in registers:
+    keys [0, NR) and, TAIL > 0, keys [NR, NR + TAIL) in a second, narrower register row).
     Candidate keys have their low LOWB bits clear. thr = the n-th largest key, found bit by bit over bits
     30..LOWB, high to low: in registers two bits per pass (the pass's three
     counts, each <= NR <= 2^14, packed into one int64 sum: one block-wide reduction per pass), else one bit per pass
@@ -498,13 +503,16 @@ def _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, 
     if ONE_CHUNK:
         keys = _lychee_keys(KEYS_ROW, NB, 0, offs)
         ncand = tl.sum((keys >= 0).to(tl.int32), 0)
+        if TAIL > 0:
+            keys_t = _lychee_keys(KEYS_ROW, NB, NR, tl.arange(0, TAIL))
+            ncand += tl.sum((keys_t >= 0).to(tl.int32), 0)
         if ncand > n:   # else every candidate is taken: no threshold to find (short rows)
             for i in range((31 - LOWB) // 2):     # bits 30..LOWB (+1 if 31 - LOWB is odd), two per pass
                 sh = 29 - 2 * i
                 one = tl.full([], 1, tl.int32) << sh
-                tot = tl.sum((keys >= (thr | one)).to(tl.int64)
-                             + ((keys >= (thr | (one * 2))).to(tl.int64) << 21)
-                             + ((keys >= (thr | (one * 3))).to(tl.int64) << 42), 0)
+                tot = tl.sum(_lychee_count3(keys, thr, one), 0)
+                if TAIL > 0:
+                    tot += tl.sum(_lychee_count3(keys_t, thr, one), 0)
                 c1 = (tot & 0x1FFFFF).to(tl.int32)
                 c2 = ((tot >> 21) & 0x1FFFFF).to(tl.int32)
                 c3 = (tot >> 42).to(tl.int32)
@@ -512,8 +520,12 @@ def _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, 
                 thr = thr | (d << sh)
             if (31 - LOWB) % 2 == 1:                 # the last bit, LOWB, alone
                 c0 = tl.sum((keys >= (thr | (1 << LOWB))).to(tl.int32), 0)
+                if TAIL > 0:
+                    c0 += tl.sum((keys_t >= (thr | (1 << LOWB))).to(tl.int32), 0)
                 thr = tl.where(c0 >= n, thr | (1 << LOWB), thr)
             ngt = tl.sum((keys > thr).to(tl.int32), 0)
+            if TAIL > 0:
+                ngt += tl.sum((keys_t > thr).to(tl.int32), 0)
     else:
         ncand = zero
         for c in range(0, NB, NR):
@@ -528,34 +540,51 @@ def _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, 
                 thr = tl.where(cnt >= n, trial, thr)
             for c in range(0, NB, NR):
                 ngt += tl.sum((_lychee_keys(KEYS_ROW, NB, c, offs) > thr).to(tl.int32), 0)
-    _lychee_write_selected(KEYS_ROW, NB, OUT_ROW, stride_o, thr, ncand <= n, n - ngt, KSEL, KP, NR)
+    _lychee_write_selected(KEYS_ROW, NB, OUT_ROW, stride_o, thr, ncand <= n, n - ngt, KSEL, KP, NR, TAIL)
+
+
+@triton.jit
+def _lychee_count3(keys, thr, one):
+    """One int64 per key: [key >= thr|one] + [key >= thr|2one] << 21 + [key >= thr|3one] << 42 (summed: 3 counts)."""
+    return ((keys >= (thr | one)).to(tl.int64) + ((keys >= (thr | (one * 2))).to(tl.int64) << 21)
+            + ((keys >= (thr | (one * 3))).to(tl.int64) << 42))
 
 
 @triton.jit
 def _lychee_write_selected(KEYS_ROW, NB, OUT_ROW, stride_o, thr, take_all, need, KSEL: tl.constexpr,
-                           KP: tl.constexpr, NR: tl.constexpr):
+                           KP: tl.constexpr, NR: tl.constexpr, TAIL: tl.constexpr):
     # keys > thr (every candidate if take_all) and the first `need` keys == thr, written ascending with the block
-    # number, EMPTY-padded. One scan per chunk: taken count (low 16 bits) and ties at thr seen so far (high bits)
-    # packed together (both <= NR <= 2^14)
-    offs = tl.arange(0, NR)
+    # number, EMPTY-padded: chunks of NR ([0, NR) then a TAIL-wide chunk when TAIL > 0)
     zero = tl.zeros([], tl.int32)
     eq_before = zero
     ntaken = zero
-    for c in range(0, NB, NR):
-        keys = _lychee_keys(KEYS_ROW, NB, c, offs)
-        eq = ((keys == thr) & (~take_all)).to(tl.int32)
-        gt = tl.where(take_all, keys >= 0, keys > thr).to(tl.int32)
-        scan = tl.cumsum(gt + (eq << 16), 0)                       # inclusive
-        rank = eq_before + (scan >> 16) - eq                        # ties at thr before this one
-        take = (gt != 0) | ((eq != 0) & (rank < need))
-        ti = take.to(tl.int32)
-        # position = taken before it: the chunk's greater keys before it + the ties taken before it (first `need`)
-        pos = ntaken + (scan & 0xFFFF) - gt + tl.minimum(rank, need) - tl.minimum(eq_before, need)
-        tl.store(OUT_ROW + pos * stride_o, c + offs, mask=take)
-        eq_before += tl.sum(eq, 0)
-        ntaken += tl.sum(ti, 0)
+    if TAIL > 0:
+        eq_before, ntaken = _lychee_write_chunk(KEYS_ROW, NB, 0, tl.arange(0, NR), OUT_ROW, stride_o, thr, take_all,
+                                                need, eq_before, ntaken)
+        eq_before, ntaken = _lychee_write_chunk(KEYS_ROW, NB, NR, tl.arange(0, TAIL), OUT_ROW, stride_o, thr,
+                                                take_all, need, eq_before, ntaken)
+    else:
+        for c in range(0, NB, NR):
+            eq_before, ntaken = _lychee_write_chunk(KEYS_ROW, NB, c, tl.arange(0, NR), OUT_ROW, stride_o, thr,
+                                                    take_all, need, eq_before, ntaken)
     slots = tl.arange(0, KP)
     tl.store(OUT_ROW + slots * stride_o, tl.full([KP], -1, tl.int32), mask=(slots >= ntaken) & (slots < KSEL))
+
+
+@triton.jit
+def _lychee_write_chunk(KEYS_ROW, NB, c, offs, OUT_ROW, stride_o, thr, take_all, need, eq_before, ntaken):
+    """Keys [c, c + len(offs)) of the write pass. One scan: taken count (low 16 bits) and ties at thr seen so far
+    (high bits) packed together (both <= len(offs) <= 2^14). Returns the updated (eq_before, ntaken)."""
+    keys = _lychee_keys(KEYS_ROW, NB, c, offs)
+    eq = ((keys == thr) & (~take_all)).to(tl.int32)
+    gt = tl.where(take_all, keys >= 0, keys > thr).to(tl.int32)
+    scan = tl.cumsum(gt + (eq << 16), 0)                       # inclusive
+    rank = eq_before + (scan >> 16) - eq                        # ties at thr before this one
+    take = (gt != 0) | ((eq != 0) & (rank < need))
+    # position = taken before it: the chunk's greater keys before it + the ties taken before it (first `need`)
+    pos = ntaken + (scan & 0xFFFF) - gt + tl.minimum(rank, need) - tl.minimum(eq_before, need)
+    tl.store(OUT_ROW + pos * stride_o, c + offs, mask=take)
+    return eq_before + tl.sum(eq, 0), ntaken + tl.sum(take.to(tl.int32), 0)
 
 
 ''' + KERNEL_HELPERS_SOURCE + ''''''
@@ -592,6 +621,7 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
     combine = dict(common, SC=64, NSP=_next_pow2(num_splits),
                    KC=max(16, min(1024, _next_pow2(nb_hint))), NBR=nbr,
                    NR1=min(_next_pow2(select_tiers[0]), nbr), NR2=min(_next_pow2(select_tiers[1]), nbr),
+                   NRT=max(1, min(_next_pow2(select_tiers[1]), nbr) // 8),
                    LOWB=RANK_DROP_BITS if int(policy) == 0 else 0,      # top-k ranks 12 significant bits
                    POLICY=int(policy), PARAM=float(policy_param) if policy else 0.0)   # topk ignores the param
     return split, combine
