@@ -88,4 +88,7 @@ def fresh_call(fn, name: str):
     sharing one with every other model."""
     def call(*args, **kwargs):
         return fn(*args, **kwargs)
-    return types.FunctionType(call.__code__.replace(), call.__globals__, name, None, call.__closure__)
+    # named after its use: Dynamo also keys per-frame state (automatic dynamic shapes) by (file, line, name), and the
+    # probe's 2-token static-cache run must not shape the decode step's compile
+    code = call.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, call.__globals__, name, None, call.__closure__)
