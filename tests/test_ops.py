@@ -123,3 +123,49 @@ def test_dense_decode_is_masked_sdpa():
     ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
                                                            attn_mask=valid[:, None, None, :], scale=0.25)
     assert (out - ref).abs().max() < 1e-5
+
+
+# --- lychee::hybrid_decode_mass (extra blocks for sparse heads + per-block mass: heat and Quest build on it) -------
+MASS = torch.ops.lychee.hybrid_decode_mass.default
+
+
+def _extra(B, hkv, rows):
+    return torch.tensor(rows, dtype=torch.int32).expand(B, hkv, len(rows)).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hybrid_decode_mass_opcheck(dtype):
+    q, k, v, valid, idx = inputs(dtype=dtype)
+    idx[:, :, 0] = 2
+    torch.library.opcheck(MASS, (q, k, v, valid, torch.tensor([True, False]), idx, _extra(2, 2, [4, EMPTY]), 0.25,
+                                 4, 4, 4))
+
+
+def test_mass_op_without_extra_equals_hybrid_decode_and_mass_is_its_probabilities():
+    q, k, v, valid, idx = inputs(hkv=3)
+    idx[:, :, 0] = 3
+    retr = torch.tensor([True, False, False])
+    out, sel = OP(q, k, v, valid, retr, idx, 0.25, 4, 4, 4)
+    out2, sel2, mass = MASS(q, k, v, valid, retr, idx, _extra(2, 3, [EMPTY, EMPTY]), 0.25, 4, 4, 4)
+    assert torch.equal(out, out2) and torch.equal(sel, sel2)
+    assert mass.shape == (2, 3, 10) and mass.dtype == torch.float32
+    # every head's probabilities sum to 1 per query head: G = 3 per KV head
+    assert torch.allclose(mass.sum(-1), torch.full((2, 3), 3.0), atol=1e-5)
+    # a sparse head puts mass only on sink (block 0 / first valid), local and inherited blocks (3)
+    attended = mass[:, 1:] > 0
+    assert attended[..., 3].all() and not attended[0, :, 5].any()
+
+
+def test_extra_blocks_are_attended_by_sparse_heads_only_and_not_passed_on():
+    q, k, v, valid, idx = inputs(hkv=2)
+    retr = torch.tensor([True, False])
+    _, sel0, m0 = MASS(q, k, v, valid, retr, idx, _extra(2, 2, [EMPTY]), 0.25, 4, 4, 4)
+    out, sel, m = MASS(q, k, v, valid, retr, idx, _extra(2, 2, [5]), 0.25, 4, 4, 4)
+    assert (m0[:, 1, 5] == 0).all() and (m[:, 1, 5] > 0).all()          # the sparse head now attends block 5
+    assert torch.equal(m[:, 0], m0[:, 0])                                # the retrieval head is unchanged
+    assert torch.equal(sel, sel0)                                        # extra picks never reach idx_out
+    # the same as inheriting block 5 for that layer
+    idx5 = idx.clone()
+    idx5[:, :, 0] = 5
+    out5, _ = OP(q, k, v, valid, retr, idx5, 0.25, 4, 4, 4)
+    assert torch.equal(out, out5)

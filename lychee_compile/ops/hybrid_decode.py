@@ -42,6 +42,33 @@ def _(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_t
     return torch.empty_like(q), torch.empty_like(idx_in)
 
 
+@torch.library.custom_op("lychee::hybrid_decode_mass", mutates_args=())
+def hybrid_decode_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                       retrieval: torch.Tensor, idx_in: torch.Tensor, extra: torch.Tensor, scale: float,
+                       block_size: int, sink_tokens: int, local_tokens: int, policy: int = 0,
+                       policy_param: float = 0.0,
+                       select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hybrid_decode where sparse heads also attend `extra` int32 [B, Hkv, KX] (this layer only; EMPTY = unused;
+    each row distinct and disjoint from idx_in's row), returning the per-block probability mass fp32
+    [B, Hkv, ceil(T / block_size)] as well (reference.py). The building block of heat and Quest (heat.py,
+    quest_decode.py): they pick `extra` and fold `mass` into their state with plain tensor ops, which Inductor fuses,
+    around this one op, which the lowering turns into the same two Triton kernels as hybrid_decode."""
+    return hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
+                                   policy, policy_param, select=select, extra=extra, with_mass=True)
+
+
+@hybrid_decode_mass.register_fake
+def _(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tokens, local_tokens, policy=0,
+      policy_param=0.0, select=None):
+    torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "q, k, v must be 4-D [B, H, T, D]")
+    torch._check(q.shape[2] == 1, lambda: "hybrid_decode_mass takes query length 1")
+    torch._check(q.shape[1] % k.shape[1] == 0, lambda: "query heads must be a multiple of KV heads")
+    torch._check(extra.dim() == 3, lambda: f"extra must be int32 [B, Hkv, KX], got {extra.dim()}-D")
+    nb = (k.shape[2] + block_size - 1) // block_size
+    mass = q.new_empty((q.shape[0], k.shape[1], nb), dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(idx_in), mass
+
+
 def hybrid_decode_op():
     """The OpOverload to insert into graphs (`.default`: an OpOverloadPacket can be treated as impure-less and
     dropped on torch 2.11)."""

@@ -10,6 +10,12 @@ Names and shapes (one global layer, decode step, query length 1):
     idx_out  int32 [B, Hkv, K]
     policy, policy_param   how many ranked blocks a retrieval head keeps (policies.py; default top-K)
     select   bool [Hkv] or None   retrieval heads whose selection is read downstream; the others output EMPTY rows
+    extra    int32 [B, Hkv, KX] or None   blocks a sparse head attends in addition, in this layer only (heat picks,
+             Quest picks: the composites in heat.py / quest_decode.py); EMPTY = unused slot. Not passed on in
+             idx_out. Kernels require each row's blocks distinct and disjoint from idx_in's row (the composites
+             pick among blocks outside it); the reference takes the union either way
+    mass     fp32 [B, Hkv, nb] (with_mass=True)   probability mass the head put on each block this step, summed
+             over its G query heads (0 where it attended nothing): the heat update's input
     quest_desc  [B, Hkv, NB, 2, D] or None   Quest descriptors of the previous step (ops/quest.py); given, the
              bound uses them after updating the newest key's block, and the updated copy is returned
 All scores and probabilities are fp32; a retrieval head's top-k ranks block scores at 12 significant bits
@@ -68,9 +74,10 @@ def blocks_of_index(idx: torch.Tensor, num_blocks: int) -> torch.Tensor:
 def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, block_size: int,
                             sink_tokens: int, local_tokens: int, policy: int = POLICIES["topk"],
                             policy_param: float = 0.0, heat=None, heat_decay: float = 0.0, heat_blocks: int = 0,
-                            quest_mode: int = 0, quest_blocks: int = 0, select=None, quest_desc=None):
+                            quest_mode: int = 0, quest_blocks: int = 0, select=None, quest_desc=None, extra=None,
+                            with_mass: bool = False):
     """-> (out, idx_out) or, with `heat` fp32 [B, Hkv, NBH >= nb] given, (out, idx_out, heat_out) (see heat.py),
-    or, with `quest_desc` given, (out, idx_out, desc_out) (see quest.py)."""
+    or, with `quest_desc` given, (out, idx_out, desc_out) (see quest.py), or, with_mass, (out, idx_out, mass)."""
     B, Hq, L, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     if L != 1:
@@ -97,6 +104,8 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
 
     # Sparse heads: inherited blocks plus sink and local blocks, valid positions only.
     sparse_blk = blocks_of_index(idx_in, nb) | (sink_blk | local_blk)[:, None, :]                   # [B,Hkv,nb]
+    if extra is not None:
+        sparse_blk = sparse_blk | blocks_of_index(extra, nb)
     is_retrieval = retrieval.to(torch.bool)[None, :, None]                                          # [1,Hkv,1]
     if quest_mode:
         # Quest bound per block from min/max of its valid keys; QUEST_ALL: every head is a Quest head.
@@ -131,9 +140,12 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
         sparsity.ACTIVE.record(attend, valid, is_retrieval, idx_out, select)
     if quest_desc is not None:
         return out, idx_out, desc_out
+    mass = block_sum(p.sum(dim=2), block_size, nb)                                                 # [B,Hkv,nb]
+    if with_mass:
+        return out, idx_out, mass
     if heat is None:
         return out, idx_out
     # h_t = decay * h_{t-1} + (probabilities this head computed this step, summed over its G query heads, per block)
     heat_out = heat.clone()
-    heat_out[..., :nb] = heat_decay * heat[..., :nb] + block_sum(p.sum(dim=2), block_size, nb)
+    heat_out[..., :nb] = heat_decay * heat[..., :nb] + mass
     return out, idx_out, heat_out
