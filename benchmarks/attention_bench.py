@@ -135,7 +135,7 @@ def check_once(B, Hkv, Gq, Dh, T, K, retr, pads, dtype=torch.bfloat16, **kw):
                                         empty_index_state(B, Hkv, K, dev), Dh ** -0.5, BS, SINK, LOCAL)
     out = torch.full_like(q, float("nan"))
     idx_out = torch.full_like(idx_in, -7)
-    split, combine, out, idx_out = make_launchers(q, k, v, valid, retrieval, idx_in, Dh ** -0.5, BS, SINK, LOCAL,
+    split, combine, out, idx_out, _ = make_launchers(q, k, v, valid, retrieval, idx_in, Dh ** -0.5, BS, SINK, LOCAL,
                                                   out=out, idx_out=idx_out, **kw)
     split()
     combine()
@@ -200,15 +200,15 @@ def bench_config(T, B, n_retr, budget, bw, variants=None, time_baselines=True, c
         ws = workspace(B, HKV, G, D, cap, BS, kw.get("num_splits") or 2 * torch.cuda.get_device_properties(0).multi_processor_count, dev)
         for (q, k, v) in sets:
             launchers.append(make_launchers(q, k, v, valid, retrieval, idx_in, scale, BS, SINK, LOCAL, ws=ws, **kw))
-        row[f"{name}_ms"] = time_calls([(lambda s=s, c=c: (s(), c())) for s, c, _, _ in launchers])
+        row[f"{name}_ms"] = time_calls([(lambda s=s, c=c: (s(), c())) for s, c, *_ in launchers])
         if name != "ours":
-            row[f"{name}_combine_ms"] = time_calls([c for _, c, _, _ in launchers])
+            row[f"{name}_combine_ms"] = time_calls([c for _, c, *_ in launchers])
         if name == "ours" and parts:
-            row["ours_split_ms"] = time_calls([s for s, _, _, _ in launchers])
-            row["ours_combine_ms"] = time_calls([c for _, c, _, _ in launchers])
+            row["ours_split_ms"] = time_calls([s for s, *_ in launchers])
+            row["ours_combine_ms"] = time_calls([c for _, c, *_ in launchers])
             # the same combine with no retrieval head (merge + index copy only): selection ~ the difference
             q, k, v = sets[0]
-            s_, c_, _, _ = make_launchers(q, k, v, valid, torch.zeros_like(retrieval), idx_in, scale, BS, SINK, LOCAL,
+            s_, c_, _, _, _ = make_launchers(q, k, v, valid, torch.zeros_like(retrieval), idx_in, scale, BS, SINK, LOCAL,
                                           ws=ws, **kw)
             s_()
             row["ours_combine_nosel_ms"] = time_calls([c_])
@@ -375,7 +375,7 @@ def profile_headline(results, T=131072, B=1, n_retr=2, budget=4096):
     retrieval = torch.zeros(HKV, dtype=torch.bool, device="cuda")
     retrieval[:n_retr] = True
     idx_in = random_index(B, T, K, "cuda")
-    split, combine, _, _ = make_launchers(q, k, v, valid, retrieval, idx_in, D ** -0.5, BS, SINK, LOCAL)
+    split, combine, _, _, _ = make_launchers(q, k, v, valid, retrieval, idx_in, D ** -0.5, BS, SINK, LOCAL)
     flush = torch.empty(256 * 2 ** 20, dtype=torch.uint8, device="cuda")
     for _ in range(3):
         split(); combine()

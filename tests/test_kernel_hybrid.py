@@ -323,3 +323,68 @@ def test_select_exact_on_crafted_keys(tmp_path, monkeypatch):
             checked += 1
             tails += int(t2 < NB <= t2 + tail and nbr > t2)
     assert checked == 60 * 5 and tails >= 5, tails
+
+
+# --- the mass variant (lychee::hybrid_decode_mass): extra blocks for sparse heads, per-block mass out -------------
+def random_extra(idx_in, nb, width, seed):
+    """int32 [B, Hkv, width]: distinct blocks outside idx_in's row (the op's precondition), some EMPTY, some past
+    the cache (ignored), some inside the sink / local range (read once)."""
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, _ = idx_in.shape
+    extra = torch.full((B, Hkv, width), -1, dtype=torch.int32)
+    for b in range(B):
+        for h in range(Hkv):
+            taken = set(idx_in[b, h].tolist())
+            pool = [x for x in torch.randperm(nb + 2, generator=g).tolist() if x not in taken]
+            mid = next(x for x in pool if 2 <= x < nb - 3)          # first slot: a block no other rule reads
+            pool = [mid] + [x for x in pool if x != mid]
+            n = int(torch.randint(1, width + 1, (), generator=g))
+            extra[b, h, :n] = torch.tensor(pool[:n], dtype=torch.int32)
+    return extra.to(idx_in.device)
+
+
+MASS_CASES = [
+    # B, Hkv, G, D, T, dtype, bs, K, sink, local, pads, retr, num_splits, KX
+    (2, 3, 2, 64, 300, torch.bfloat16, 16, 4, 16, 32, [(0, 300), (37, 290)], [True, False, False], 7, 3),
+    (1, 2, 4, 64, 256, torch.float16, 16, 3, 0, 0, [(0, 250)], [False, False], 4, 2),
+    (2, 2, 3, 128, 200, torch.bfloat16, 16, 2, 8, 16, [(5, 200), (0, 0)], [False, True], 3, 1),
+]
+
+
+@pytest.mark.parametrize("case", MASS_CASES, ids=lambda c: f"B{c[0]}H{c[1]}G{c[2]}KX{c[-1]}")
+def test_kernel_mass_variant_matches_reference(case):
+    B, Hkv, G, D, T, dtype, bs, K, sink, local, pads, retr, ns, kx = case
+    from lychee_compile.lowering import template
+    q, k, v, valid, retrieval, idx_in = make_case(B, Hkv, G, D, T, dtype, bs, K, sink, local, pads, retr, seed=21)
+    nb = -(-T // bs)
+    extra = random_extra(idx_in.cpu(), nb, kx, seed=22)
+    if q.device.type == "cpu" and not ON_CPU:
+        pytest.skip("CPU tensors need the Triton interpreter")
+    ws = template.workspace(B, Hkv, G, D, T, bs, ns, q.device)
+    ws["MASSO"] = torch.full((B, Hkv, nb), float("nan"), device=q.device)         # every element must be written
+    out, idx_out, mass = hybrid_decode_triton(q, k, v, valid, retrieval, idx_in, D ** -0.5, bs, sink, local,
+                                              num_splits=ns, extra=extra.to(q.device), ws=ws)
+    ref_out, ref_idx, ref_mass = hybrid_decode_reference(q.cpu(), k.cpu(), v.cpu(), valid.cpu(), retrieval.cpu(),
+                                                         idx_in.cpu(), D ** -0.5, bs, sink, local, extra=extra,
+                                                         with_mass=True)
+    out, idx_out, mass = out.cpu().float(), idx_out.cpu(), mass.cpu()
+    assert torch.isfinite(mass).all() and torch.isfinite(out).all()
+    assert ((out - ref_out.float()).norm() / ref_out.float().norm().clamp_min(1e-12)).item() < 1.5e-2
+    assert torch.equal(idx_out, ref_idx)
+    assert (mass - ref_mass).abs().max().item() < 2e-2          # bf16 scores: probabilities to ~1e-2
+    assert torch.equal(mass > 0, ref_mass > 0)                  # the same attended blocks, nothing else
+    # the extra blocks changed what the sparse heads read (else the test would not test them)
+    _, _, plain_mass = hybrid_decode_reference(q.cpu(), k.cpu(), v.cpu(), valid.cpu(), retrieval.cpu(), idx_in.cpu(),
+                                               D ** -0.5, bs, sink, local, with_mass=True)
+    assert not torch.equal(plain_mass > 0, ref_mass > 0) or kx == 0
+
+
+def test_kernel_mass_without_extra_equals_plain_kernel():
+    # the mass variant with no extra slots computes exactly what the plain kernels do, plus the mass
+    args = make_case(2, 2, 2, 64, 200, torch.bfloat16, 16, 4, 16, 32, [(0, 200), (30, 190)], [True, False], seed=23)
+    if args[0].device.type == "cpu" and not ON_CPU:
+        pytest.skip("CPU tensors need the Triton interpreter")
+    out, idx = hybrid_decode_triton(*args, 0.125, 16, 16, 32, num_splits=4)
+    out2, idx2, mass = hybrid_decode_triton(*args, 0.125, 16, 16, 32, num_splits=4, with_mass=True)
+    assert torch.equal(out, out2) and torch.equal(idx, idx2)
+    assert torch.allclose(mass.sum(-1).cpu(), torch.full((2, 2), 2.0), atol=1e-3)   # G = 2 query heads per KV head

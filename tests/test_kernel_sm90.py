@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("triton")
 
 CONFIGS = [
-    # G, Hkv, D, K_sel, dtype, nb_hint, policy (policies.POLICIES), policy param
+    # G, Hkv, D, K_sel, dtype, nb_hint, policy (policies.POLICIES), policy param[, extra width KX: the mass variant]
     (4, 8, 128, 256, "bf16", 8192, 0, 0.0),   # Llama-3-8B, budget 4096, 128K
     (1, 4, 64, 64, "fp16", 2048, 0, 0.0),
     (3, 2, 256, 32, "bf16", 512, 0, 0.0),
@@ -23,15 +23,18 @@ CONFIGS = [
     (4, 8, 128, 256, "bf16", 8192, 1, 0.9),   # issue 7: the selection policies in the combine kernel
     (3, 2, 128, 64, "fp16", 1024, 2, 0.01),
     (1, 4, 64, 64, "bf16", 2048, 3, 0.3),
+    (4, 8, 128, 256, "bf16", 8192, 0, 0.0, 32),   # issue 7: the mass variant (heat picks / Quest picks as EXTRA)
+    (2, 4, 64, 64, "fp16", 2048, 0, 0.0, 0),
 ]
 
 SCRIPT = r"""
 import json, sys
 from lychee_compile.lowering.template import kernel_params, cross_compile
 res = []
-for G, Hkv, D, K, dt, nb, policy, param in json.loads(sys.argv[1]):
+for G, Hkv, D, K, dt, nb, policy, param, *kx in json.loads(sys.argv[1]):
     sp, cp = kernel_params(G=G, Hkv=Hkv, D=D, K_sel=K, block_size=16, sink_tokens=16, local_tokens=64,
-                           scale=D ** -0.5, num_splits=264, nb_hint=nb, policy=policy, policy_param=param)
+                           scale=D ** -0.5, num_splits=264, nb_hint=nb, policy=policy, policy_param=param,
+                           mass=bool(kx), extra_width=kx[0] if kx else 0)
     a = cross_compile("split", sp, dtype=dt, num_warps=4, num_stages=3)
     b = cross_compile("combine", cp, dtype=dt, num_warps=8, num_stages=1)
     res.append(dict(split_ptx=a.asm["ptx"], combine_ptx=b.asm["ptx"], split_cubin=len(a.asm["cubin"]),
@@ -48,7 +51,7 @@ def test_cross_compile_sm90():
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(p.stdout.split("RESULT", 1)[1])
     assert len(res) == len(CONFIGS)
-    for (G, Hkv, D, K, dt, nb, policy, _), r in zip(CONFIGS, res):
+    for (G, Hkv, D, K, dt, nb, policy, *_), r in zip(CONFIGS, res):
         sp = r["split_ptx"]
         assert ".target sm_90" in sp  # sm_90 or sm_90a
         assert r["split_cubin"] > 0 and r["combine_cubin"] > 0

@@ -184,6 +184,41 @@ def test_lowering_quest_still_falls_back_with_its_policy(inductor_triton_on_cpu)
     assert "triton_tem_fused_hybrid_decode" not in "\n".join(codes)
 
 
+def _mass_layer(q, k, v, valid, retr, idx, extra, heat):
+    # the heat step's shape: extra blocks in, the mass folded into a decayed state (plain tensor ops around the op)
+    o, i, m = torch.ops.lychee.hybrid_decode_mass(q, k, v, valid, retr, idx, extra, 0.125, 16, 16, 32)
+    return o, i, 0.5 * heat + m
+
+
+def test_lowering_mass_variant_emits_kernels(inductor_triton_on_cpu):
+    from torch._inductor.utils import run_and_get_code
+    register()
+    q, k, v, valid, retr, idx = _case()
+    extra = torch.full((2, 2, 2), -1, dtype=torch.int32)
+    extra[:, :, 0] = 8                                              # a block nothing else reads
+    heat = torch.rand(2, 2, 10)
+    args = (q, k, v, valid, retr, idx, extra, heat)
+    (out, i, h), codes = run_and_get_code(torch.compile(_mass_layer, backend="inductor", fullgraph=True), *args)
+    ro, ri, rh = _mass_layer(*args)
+    assert ((out.float() - ro.float()).norm() / ro.float().norm()).item() < 1.5e-2
+    assert torch.equal(i, ri)
+    assert (h - rh).abs().max().item() < 1e-2 and (h - 0.5 * heat)[:, 1, 8].min() > 0   # the extra block was read
+    code = "\n".join(codes)
+    for token in ["def triton_tem_fused_hybrid_decode_mass", "MASS : tl.constexpr = 1", "KX : tl.constexpr = 2",
+                  "_lychee_virtual_blocks(", "tl.store(MASSO + seg.to(tl.int64) * NB + vblk"]:
+        assert token in code, token
+    assert "torch.ops.lychee.hybrid_decode_mass" not in code.split("def call(")[-1]     # no extern fallback
+
+
+def test_lowering_plain_kernels_carry_no_mass_code(inductor_triton_on_cpu):
+    from torch._inductor.utils import run_and_get_code
+    register()
+    args = _case()
+    _, codes = run_and_get_code(torch.compile(_layer, backend="inductor", fullgraph=True), *args)
+    code = "\n".join(codes)
+    assert "MASS : tl.constexpr = 0" in code and "MASSO" not in code.split("@triton.jit")[0]
+
+
 def test_lowering_fp32_falls_back_to_reference(inductor_triton_on_cpu):
     from torch._inductor.utils import run_and_get_code
     register()

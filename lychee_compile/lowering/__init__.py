@@ -3,35 +3,41 @@
     from lychee_compile.lowering import register
     register()          # idempotent; call before torch.compile(..., backend="inductor") compiles the graph
 
-After `register()`, every `lychee::hybrid_decode` node that Inductor compiles for CUDA (or for CPU with
+After `register()`, every `lychee::hybrid_decode` (and `lychee::hybrid_decode_mass`, the variant heat and Quest
+build on) node that Inductor compiles for CUDA (or for CPU with
 `torch._inductor.config.cpu_backend = "triton"`, tests only) with bf16/fp16 q/k/v becomes two Triton kernels
 (split + combine/select, see template.py; every selection policy); anything else (fp32, other devices, Quest modes)
 keeps the eager reference as an extern kernel. `unregister()` restores the default (extern) handling.
 """
 from __future__ import annotations
 
-_state = {"registered": False, "previous": None}
+_state = {"registered": False, "previous": {}}
+
+
+def _ops():
+    from .lower import MASS_OP, OP, hybrid_decode_lowering, hybrid_decode_mass_lowering
+    return {OP: hybrid_decode_lowering, MASS_OP: hybrid_decode_mass_lowering}
 
 
 def register() -> None:
     from . import compat
-    from .lower import OP, hybrid_decode_lowering
     if is_registered():
         return
-    _state["previous"] = compat.lowerings.get(OP)
-    compat.register_lowering(OP, type_promotion_kind=None)(hybrid_decode_lowering)
-    compat.lowerings[OP]._lychee_hybrid_decode = True   # register_lowering stores a wrapper: mark it
+    for op, lowering in _ops().items():
+        _state["previous"][op] = compat.lowerings.get(op)
+        compat.register_lowering(op, type_promotion_kind=None)(lowering)
+        compat.lowerings[op]._lychee_hybrid_decode = True   # register_lowering stores a wrapper: mark it
     _state["registered"] = True
 
 
 def unregister() -> None:
     from . import compat
-    from .lower import OP
-    prev = _state["previous"]
-    if prev is None:
-        compat.lowerings.pop(OP, None)
-    else:
-        compat.lowerings[OP] = prev
+    for op, prev in _state["previous"].items():
+        if prev is None:
+            compat.lowerings.pop(op, None)
+        else:
+            compat.lowerings[op] = prev
+    _state["previous"] = {}
     _state["registered"] = False
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 
 from . import compat
-from .template import COMBINE_SOURCE, SPLIT_SOURCE, interpreting, kernel_params
+from .template import (COMBINE_MASS_SOURCE, COMBINE_SOURCE, SPLIT_MASS_SOURCE, SPLIT_SOURCE, interpreting,
+                       kernel_params)
 
 OP = torch.ops.lychee.hybrid_decode.default
+MASS_OP = torch.ops.lychee.hybrid_decode_mass.default     # heat and Quest build on it (ops/heat.py, quest_decode.py)
 
 
 @compat.SymbolicGridFn
@@ -28,16 +30,19 @@ def _combine_grid(b, t, meta, *, cdiv):
 _TEMPLATES = {}
 
 
-def templates():
+def templates(mass: bool = False):
+    """(split, combine) TritonTemplates; mass: the variant with extra blocks and per-block mass."""
     if not _TEMPLATES:
-        _TEMPLATES["split"] = compat.TritonTemplate(name="lychee_hybrid_split", grid=_split_grid, source=SPLIT_SOURCE)
-        _TEMPLATES["combine"] = compat.TritonTemplate(name="lychee_hybrid_combine", grid=_combine_grid,
-                                                      source=COMBINE_SOURCE)
-    return _TEMPLATES["split"], _TEMPLATES["combine"]
+        for m, tag, (split, combine) in ((False, "", (SPLIT_SOURCE, COMBINE_SOURCE)),
+                                         (True, "_mass", (SPLIT_MASS_SOURCE, COMBINE_MASS_SOURCE))):
+            _TEMPLATES[m] = (compat.TritonTemplate(name=f"lychee_hybrid_split{tag}", grid=_split_grid, source=split),
+                             compat.TritonTemplate(name=f"lychee_hybrid_combine{tag}", grid=_combine_grid,
+                                                   source=combine))
+    return _TEMPLATES[mass]
 
 
-def _fallback(*args):
-    return compat.fallback_handler(OP, add_to_fallback_set=False)(*args)
+def _fallback(op, *args):
+    return compat.fallback_handler(op, add_to_fallback_set=False)(*args)
 
 
 def supported(q, k) -> str | None:
@@ -86,20 +91,45 @@ def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size,
     # Quest and unsupported inputs run the reference (extern), with all of the op's arguments.
     args = (q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, policy, policy_param,
             quest_mode, quest_blocks, select)
-    if supported(q, k) is not None or quest_mode != 0:
-        return _fallback(*args)
+    if quest_mode != 0 or _unsupported(q, k, idx_in):
+        return _fallback(OP, *args)
+    return _lower(q, k, v, valid, retrieval, idx_in, None, scale, block_size, sink_tokens, local_tokens, policy,
+                  policy_param, select)
+
+
+def hybrid_decode_mass_lowering(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tokens,
+                                local_tokens, policy=0, policy_param=0.0, select=None):
+    args = (q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tokens, local_tokens, policy,
+            policy_param, select)
+    if _unsupported(q, k, idx_in):
+        return _fallback(MASS_OP, *args)
+    return _lower(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tokens, local_tokens, policy,
+                  policy_param, select)
+
+
+def _unsupported(q, k, idx_in) -> bool:
+    if supported(q, k) is not None:
+        return True
+    Hq, Hkv, D = (compat.static_int(x) for x in (q.get_size()[1], k.get_size()[1], q.get_size()[3]))
+    return D < 16 or bool(D & (D - 1)) or Hq % Hkv != 0
+
+
+def _lower(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tokens, local_tokens, policy,
+           policy_param, select):
+    """The two templates for one site: (out, idx_out), or with `extra` given (the mass variant) (out, idx_out,
+    mass)."""
+    mass = extra is not None
     B, Hq, _, D = q.get_size()
     T = k.get_size()[2]
     Hq, Hkv, D, K_sel = (compat.static_int(x) for x in (Hq, k.get_size()[1], D, idx_in.get_size()[2]))
-    if D < 16 or D & (D - 1) or Hq % Hkv:
-        return _fallback(*args)
     G = Hq // Hkv
     device = q.get_device()
     num_splits = 2 * compat.sm_count(device)
     nb_hint = -(-compat.size_hint(T) // int(block_size))
     sp, cp = kernel_params(G=G, Hkv=Hkv, D=D, K_sel=K_sel, block_size=int(block_size), sink_tokens=int(sink_tokens),
                            local_tokens=int(local_tokens), scale=float(scale), num_splits=num_splits,
-                           nb_hint=nb_hint, policy=int(policy), policy_param=float(policy_param))
+                           nb_hint=nb_hint, policy=int(policy), policy_param=float(policy_param), mass=mass,
+                           extra_width=compat.static_int(extra.get_size()[2]) if mass else 0)
     sp = dict(sp, DOT_UPCAST=interpreting())
     NB = compat.CeilDiv(T, int(block_size))
     f32, i32 = torch.float32, torch.int32
@@ -113,25 +143,30 @@ def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size,
     keys = compat.empty_strided([B, Hkv, NB], None, dtype=i32, device=device)
     cnt = compat.empty_strided([B * Hkv], None, dtype=i32, device=device)
     idx_out = compat.empty_strided(list(idx_in.get_size()), None, dtype=i32, device=device)
-    split_t, combine_t = templates()
+    mass_in, mass_out = [], []
+    if mass:     # EXTRA, VBLSE, MASSO (see the template glossary); MASSO is zeroed by the split launch
+        masso = compat.empty_strided([B, Hkv, NB], None, dtype=f32, device=device)
+        vblse = compat.empty_strided([B * Hkv, G, sp["NVB"]], None, dtype=f32, device=device)
+        mass_in, mass_out = [compat.realize(extra), vblse, masso], [masso]
+    split_t, combine_t = templates(mass)
 
     acc_layout = compat.fixed_layout(device, f32, [B * Hkv, num_splits, G, D])
-    split_inputs = [q, k, v, *ext, retr8, idx_in, pm, pl, blse, cnt]
+    split_inputs = [q, k, v, *ext, retr8, idx_in, pm, pl, blse, cnt, *mass_in]
     choices = []
     err = split_t.maybe_append_choice(choices, input_nodes=split_inputs, layout=acc_layout,
-                                      mutated_inputs=[pm, pl, blse, cnt], call_sizes=[B], num_stages=3,
-                                      num_warps=4, **sp)
+                                      mutated_inputs=[pm, pl, blse, cnt, *mass_in[1:]], call_sizes=[B],
+                                      num_stages=3, num_warps=4, **sp)
     if not choices:
         raise RuntimeError(f"lychee hybrid_decode split template failed: {err}")
-    pacc = compat.select_one("lychee_hybrid_split", choices, split_inputs, acc_layout)
+    pacc = compat.select_one(split_t.name, choices, split_inputs, acc_layout)
 
     out_layout = compat.fixed_layout(device, q.get_dtype(), [B, Hq, 1, D])
-    combine_inputs = [pacc, pm, pl, blse, valid8, *ext, retr8, sel8, idx_in, idx_out, keys, cnt]
+    combine_inputs = [pacc, pm, pl, blse, valid8, *ext, retr8, sel8, idx_in, idx_out, keys, cnt, *mass_in]
     choices = []
     err = combine_t.maybe_append_choice(choices, input_nodes=combine_inputs, layout=out_layout,
-                                        mutated_inputs=[idx_out, keys, cnt], call_sizes=[B, T], num_stages=1,
-                                        num_warps=16, **cp)
+                                        mutated_inputs=[idx_out, keys, cnt, *mass_out], call_sizes=[B, T],
+                                        num_stages=1, num_warps=16, **cp)
     if not choices:
         raise RuntimeError(f"lychee hybrid_decode combine template failed: {err}")
-    out = compat.select_one("lychee_hybrid_combine", choices, combine_inputs, out_layout)
-    return out, idx_out
+    out = compat.select_one(combine_t.name, choices, combine_inputs, out_layout)
+    return (out, idx_out, masso) if mass else (out, idx_out)

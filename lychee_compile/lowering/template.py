@@ -64,6 +64,13 @@ GLOSSARY = '''
     # ROWLO, ROWHI  int32 [B]  row b's valid positions are [lo, hi) ((0, 0) if none)
     # TVP   int32 [1]  TV = max_b hi: retrieval work and selection cover blocks below TV only
     # IDX   int32 [B, HKV, KSEL]  index state in (EMPTY = -1)         IDXO int32 [B, HKV, KSEL] index state out
+    # MASS  0 / 1 (constexpr): the mass variant (lychee::hybrid_decode_mass; heat and Quest build on it) takes
+    #       EXTRA int32 [B, HKV, KX]  blocks a sparse head attends in addition, this layer only (EMPTY = unused;
+    #                                 distinct, disjoint from IDX's row); KX = 0 without it
+    #       MASSO fp32 [B, HKV, NB] (contiguous)  per-block probability mass of each head, summed over its G query
+    #                                 heads (0 where it attended nothing); zeroed by the split launch
+    #       VBLSE fp32 [B*HKV, G, NVB]  per virtual block log2-sum-exp2 of a sparse head's scores
+    # NVB   = S_MAX + L_MAX + KSEL + KX virtual blocks of a sparse segment;  NVBP  NVB padded to a power of two
     # PM, PL  fp32 [B*HKV, NUM_SPLITS, G]   per-slot running max (log2 units) and sum of exp2
     # PACC    fp32 [B*HKV, NUM_SPLITS, G, D] per-slot unnormalised output
     # BLSE    fp32 [B, HKV, G, NB]   per-block log2-sum-exp2 of the scaled scores (retrieval heads)
@@ -72,7 +79,7 @@ GLOSSARY = '''
     #                                sink / local blocks (negative ints), -1 for the other blocks
     # OUT     [B, HKV*G, 1, D] q.dtype
     # seg = b * HKV + h; tile lt of a segment covers virtual tokens [lt*BLOCK_N, (lt+1)*BLOCK_N)
-    # sparse virtual blocks: [0, S_MAX) sink, [S_MAX, S_MAX+L_MAX) local, then KSEL inherited slots
+    # sparse virtual blocks: [0, S_MAX) sink, [S_MAX, S_MAX+L_MAX) local, then KSEL inherited slots, then KX extra
     # ---------------------------------------------------------------------------------------------------------
 '''
 
@@ -98,24 +105,67 @@ def _lychee_work_pool(RETR, TVP, NTS, HKV: tl.constexpr, HKV_P: tl.constexpr, BL
 
 
 @triton.jit
+def _lychee_sink_local(lo, hi, SINK: tl.constexpr, LOCAL: tl.constexpr, BS: tl.constexpr):
+    """Row [lo, hi)'s sink blocks [sb0, sb1) and local blocks [lb0, lb1) (empty ranges when SINK / LOCAL is 0)."""
+    has = lo < hi
+    sb0 = lo // BS
+    sb1 = tl.where(has & (SINK > 0), (tl.minimum(lo + SINK, hi) - 1) // BS + 1, sb0)
+    lb0 = tl.maximum(hi - LOCAL, lo) // BS
+    lb1 = tl.where(has & (LOCAL > 0), (hi - 1) // BS + 1, lb0)
+    return sb0, sb1, lb0, lb1
+
+
+@triton.jit
+def _lychee_virtual_blocks(vb, sb0, sb1, lb0, lb1, IDX_ROW, stride_ik, X_ROW, stride_xk, NB,
+                           S_MAX: tl.constexpr, L_MAX: tl.constexpr, KSEL: tl.constexpr, KX: tl.constexpr):
+    """A sparse head's virtual blocks vb -> (real block, attended?): [0, S_MAX) sink, L_MAX local (after the sink:
+    no block twice), KSEL inherited, KX extra slots. An inherited / extra block inside the sink or local range is
+    skipped (that slot already reads it); EMPTY and out-of-range slots read nothing."""
+    j = vb - (S_MAX + L_MAX)
+    ib = tl.load(IDX_ROW + j * stride_ik, mask=(j >= 0) & (j < KSEL), other=-1)
+    if KX > 0:
+        jx = j - KSEL
+        ib = tl.where(jx >= 0, tl.load(X_ROW + jx * stride_xk, mask=(jx >= 0) & (jx < KX), other=-1), ib)
+    in_sink = vb < S_MAX
+    in_local = (vb >= S_MAX) & (vb < S_MAX + L_MAX)
+    blk = tl.where(in_sink, sb0 + vb, tl.where(in_local, tl.maximum(lb0, sb1) + (vb - S_MAX), ib))
+    ok_idx = (ib >= 0) & (ib < NB) & ((ib < sb0) | (ib >= sb1)) & ((ib < lb0) | (ib >= lb1))
+    ok = tl.where(in_sink, blk < sb1, tl.where(in_local, blk < lb1, ok_idx))
+    return blk, ok
+
+
+@triton.jit
+def _lychee_row_lse(PM, PL, prow0, sl, live, G: tl.constexpr, G2: tl.constexpr):
+    """Global log2-sum-exp2 of each query head of a segment from its per-slot partials: (lse [G2], gg, g_ok)."""
+    gg = tl.arange(0, G2)
+    g_ok = gg < G
+    pm2 = tl.load(PM + (prow0 + sl)[:, None] * G + gg[None, :], mask=live[:, None] & g_ok[None, :],
+                  other=float("-inf"))
+    pl2 = tl.load(PL + (prow0 + sl)[:, None] * G + gg[None, :], mask=live[:, None] & g_ok[None, :], other=0.0)
+    M2 = tl.max(pm2, 0)
+    M2s = tl.where(M2 == float("-inf"), 0.0, M2)
+    L2 = tl.sum(pl2 * tl.exp2(pm2 - M2s[None, :]), 0)
+    return tl.where(L2 > 0.0, M2s + tl.log2(tl.maximum(L2, 1.1754943508222875e-38)), 0.0), gg, g_ok
+
+
+@triton.jit
 def _lychee_segment(h, hh, rflag, ntile, cum_incl):
     """Head h's segment within its row's pool: (tiles, first tile, retrieval flag)."""
     seg_n = tl.sum(tl.where(hh == h, ntile, 0), 0)
     return seg_n, tl.sum(tl.where(hh == h, cum_incl, 0), 0) - seg_n, tl.sum(tl.where(hh == h, rflag, 0), 0)
 '''
 
-SPLIT_SOURCE = '''
-{{def_kernel("Q", "K", "V", "ROWLO", "ROWHI", "TVP", "RETR", "IDX", "PM", "PL", "BLSE", "CNT")}}
-''' + GLOSSARY + '''
+SPLIT_BODY = '''
     B = {{size("Q", 0)}}
     T = {{size("K", 2)}}
     stride_qb, stride_qh, stride_qm, stride_qd = {{stride("Q")}}
     stride_kb, stride_kh, stride_kt, stride_kd = {{stride("K")}}
     stride_vb, stride_vh, stride_vt, stride_vd = {{stride("V")}}
     stride_ib, stride_ih, stride_ik = {{stride("IDX")}}
+    {{extra_strides}}
     NB = (T + BS - 1) // BS
     NBT: tl.constexpr = BLOCK_N // BS
-    NTS: tl.constexpr = ((S_MAX + L_MAX + KSEL) * BS + BLOCK_N - 1) // BLOCK_N
+    NTS: tl.constexpr = (NVB * BS + BLOCK_N - 1) // BLOCK_N
 
     # work pool: tiles per segment from the runtime head kinds, prefix sums over heads, equal cut into slices
     hh, rflag, ntile, cum_incl, R, TV = _lychee_work_pool(RETR, TVP, NTS, HKV, HKV_P, BLOCK_N, SPARSE_COST)
@@ -127,6 +177,10 @@ SPLIT_SOURCE = '''
     # zero the selection tickets of the combine launch (read only after this launch completes)
     for z in range(s, B * HKV, NUM_SPLITS):
         tl.store(CNT + z, 0)
+        if MASS:    # the combine writes every retrieval block and a sparse head's attended blocks: the rest is 0
+            for c in range(0, NB, 1024):
+                zc = c + tl.arange(0, 1024)
+                tl.store(MASSO + z * NB + zc, tl.zeros([1024], tl.float32), mask=zc < NB)
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -168,26 +222,16 @@ SPLIT_SOURCE = '''
                 m_i, l_i, acc, p, m_use = _lychee_tile(q, kt, vt, ok, m_i, l_i, acc, QK_SCALE_LOG2, DOT_UPCAST)
                 _lychee_store_block_lse(blse_base, p, m_use, lt, offs_g, g_ok, NB, GP, BS, NBT, BLSE_SUMS)
         else:
-            # sparse head: sink blocks, local blocks, then its KSEL inherited blocks (gathered rows)
-            has = lo < hi
-            sb0 = lo // BS
-            sb1 = tl.where(has & (SINK > 0), (tl.minimum(lo + SINK, hi) - 1) // BS + 1, sb0)
-            lb0 = tl.maximum(hi - LOCAL, lo) // BS
-            lb1 = tl.where(has & (LOCAL > 0), (hi - 1) // BS + 1, lb0)
-            lb0e = tl.maximum(lb0, sb1)
+            # sparse head: sink blocks, local blocks, its KSEL inherited blocks, KX extra ones (gathered rows)
+            sb0, sb1, lb0, lb1 = _lychee_sink_local(lo, hi, SINK, LOCAL, BS)
             idx_base = IDX + b64 * stride_ib + h64 * stride_ih
+            x_base = {{extra_row}}
             # units [lt0, lt1) of the segment -> the tiles whose first unit lies in them (an empty range still
             # writes its (empty) partial, which the combine merges as nothing)
             for lt in range((lt0 + SPARSE_COST - 1) // SPARSE_COST, (lt1 + SPARSE_COST - 1) // SPARSE_COST):
                 n = lt * BLOCK_N + offs_n
-                vb = n // BS
-                j = vb - (S_MAX + L_MAX)
-                ib = tl.load(idx_base + j * stride_ik, mask=(j >= 0) & (j < KSEL), other=-1)
-                in_sink = vb < S_MAX
-                in_local = (vb >= S_MAX) & (vb < S_MAX + L_MAX)
-                blk = tl.where(in_sink, sb0 + vb, tl.where(in_local, lb0e + (vb - S_MAX), ib))
-                ok_idx = (ib >= 0) & (ib < NB) & ((ib < sb0) | (ib >= sb1)) & ((ib < lb0) | (ib >= lb1))
-                ok = tl.where(in_sink, blk < sb1, tl.where(in_local, blk < lb1, ok_idx))
+                blk, ok = _lychee_virtual_blocks(n // BS, sb0, sb1, lb0, lb1, idx_base, stride_ik, x_base,
+                                                 stride_xk, NB, S_MAX, L_MAX, KSEL, KX)
                 tok = blk * BS + (n % BS)
                 ok = ok & (tok >= lo) & (tok < hi)      # the row's valid range (no VALID load in the chain)
                 kt = tl.load(k_base + tok[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=ok[:, None],
@@ -195,6 +239,9 @@ SPLIT_SOURCE = '''
                 vt = tl.load(v_base + tok[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=ok[:, None],
                              other=0.0)
                 m_i, l_i, acc, p, m_use = _lychee_tile(q, kt, vt, ok, m_i, l_i, acc, QK_SCALE_LOG2, DOT_UPCAST)
+                if MASS:    # per virtual block (the combine maps them to real blocks)
+                    _lychee_store_block_lse(VBLSE + (seg.to(tl.int64) * G) * NVB, p, m_use, lt, offs_g, g_ok, NVB,
+                                            GP, BS, NBT, BLSE_SUMS)
         prow = seg * NUM_SPLITS + slot
         tl.store(PM + prow * G + offs_g, m_i, mask=g_ok)
         tl.store(PL + prow * G + offs_g, l_i, mask=g_ok)
@@ -249,21 +296,21 @@ def _lychee_store_block_lse(blse_base, p, m_use, lt, offs_g, g_ok, NB, GP: tl.co
 
 ''' + KERNEL_HELPERS_SOURCE + ''''''
 
-COMBINE_SOURCE = '''
-{{def_kernel("PACC", "PM", "PL", "BLSE", "VALID", "ROWLO", "ROWHI", "TVP", "RETR", "SEL", "IDX", "IDXO", "KEYS", "CNT")}}
-''' + GLOSSARY + '''
+COMBINE_BODY = '''
     # grid (B * HKV, G + NKC): program (seg, j < G) merges query head j of the segment's partials into OUT;
     # program (seg, G + c) of a retrieval head turns blocks [c*KC, (c+1)*KC) into selection keys, and the last of
     # the NKC key programs to finish (atomic ticket in CNT, zeroed by the split kernel) runs the policy's top-n;
-    # for a sparse head program (seg, G) copies the index row through.
+    # for a sparse head program (seg, G) copies the index row through. MASS: the key programs of a retrieval head
+    # also write its blocks' mass, and program (seg, G) of a sparse head its attended blocks' (MASSO).
     B = {{size("VALID", 0)}}
     T = {{size("VALID", 1)}}
     stride_mb, stride_mt = {{stride("VALID")}}
     stride_ib, stride_ih, stride_ik = {{stride("IDX")}}
     stride_ob, stride_oh, stride_ok = {{stride("IDXO")}}
+    {{extra_strides}}
     NB = (T + BS - 1) // BS
     NKC = (NB + KC - 1) // KC
-    NTS: tl.constexpr = ((S_MAX + L_MAX + KSEL) * BS + BLOCK_N - 1) // BLOCK_N
+    NTS: tl.constexpr = (NVB * BS + BLOCK_N - 1) // BLOCK_N
     # the same work pool as the split launch (one helper, so the two can never disagree on who wrote which slot)
     hh, rflag, ntile, cum_incl, R, TV = _lychee_work_pool(RETR, TVP, NTS, HKV, HKV_P, BLOCK_N, SPARSE_COST)
     W = B * R
@@ -320,47 +367,55 @@ COMBINE_SOURCE = '''
                 row = tl.load(IDX + b64 * stride_ib + h64 * stride_ih + slots * stride_ik,
                               mask=(slots < KSEL) & (slots * 0 + retr_i == 0), other=-1)
                 tl.store(out_base + slots * stride_ok, row, mask=slots < KSEL)
-        else:
-            # global log2-sum-exp2 of each query head of the segment, from the per-slot partials
-            gg = tl.arange(0, G2)
-            g_ok = gg < G
-            pm2 = tl.load(PM + (prow0 + sl)[:, None] * G + gg[None, :], mask=live[:, None] & g_ok[None, :],
-                          other=float("-inf"))
-            pl2 = tl.load(PL + (prow0 + sl)[:, None] * G + gg[None, :], mask=live[:, None] & g_ok[None, :],
-                          other=0.0)
-            M2 = tl.max(pm2, 0)
-            M2s = tl.where(M2 == float("-inf"), 0.0, M2)
-            L2 = tl.sum(pl2 * tl.exp2(pm2 - M2s[None, :]), 0)
-            lse_row = tl.where(L2 > 0.0, M2s + tl.log2(tl.maximum(L2, 1.1754943508222875e-38)), 0.0)
-            lo = tl.load(ROWLO + b)
-            hi = tl.load(ROWHI + b)
-            has = lo < hi
-            sb0 = lo // BS
-            sb1 = tl.where(has & (SINK > 0), (tl.minimum(lo + SINK, hi) - 1) // BS + 1, sb0)
-            lb0 = tl.maximum(hi - LOCAL, lo) // BS
-            lb1 = tl.where(has & (LOCAL > 0), (hi - 1) // BS + 1, lb0)
-            # keys of blocks [c_key*KC, (c_key+1)*KC): fp32 bits of the block score with the low LOWB bits cleared
-            # (non-negative floats order like their bits; top-k: policies.rank_score), -1 if not a candidate
+        lo = tl.load(ROWLO + b)
+        hi = tl.load(ROWHI + b)
+        sb0, sb1, lb0, lb1 = _lychee_sink_local(lo, hi, SINK, LOCAL, BS)
+        if retr_i != 0 and (sel_i != 0 or MASS):
+            # block score = sum over the query heads of exp2(block lse - the head's global lse)
+            lse_row, gg, g_ok = _lychee_row_lse(PM, PL, prow0, sl, live, G, G2)
             blk = c_key * KC + tl.arange(0, KC)
             NBV = (TV + BS - 1) // BS        # blocks the split launch scored (BLSE beyond them is stale)
             lse = tl.load(BLSE + (seg.to(tl.int64) * G + gg[:, None]) * NB + blk[None, :],
                           mask=g_ok[:, None] & (blk < NBV)[None, :], other=float("-inf"))
             score = tl.sum(tl.exp2(lse - lse_row[:, None]), 0)
-            cand = (blk < NBV) & (blk * BS < hi) & ((blk + 1) * BS > lo) & ((blk < sb0) | (blk >= sb1)) \\
-                & ((blk < lb0) | (blk >= lb1))
-            # sink / local blocks store the bits of -score (negative ints, never -1 = NaN bits): topp needs their
-            # mass (fixed_mass) and the counting passes ignore every negative key
-            fixed = ((blk >= sb0) & (blk < sb1)) | ((blk >= lb0) & (blk < lb1))
-            key = tl.where(cand, score.to(tl.int32, bitcast=True) & (-(1 << LOWB)),     # policies.rank_score
-                           tl.where(fixed, (-score).to(tl.int32, bitcast=True), -1))
-            key_base = KEYS + seg.to(tl.int64) * NB
-            tl.store(key_base + blk, key, mask=blk < NBV)
-            tl.debug_barrier()
-            ticket = tl.atomic_add(CNT + seg, 1)
-            if ticket == NKC - 1:
-                tl.store(CNT + seg, 0)
-                n = _lychee_keep_count(key_base, NBV, lo, hi, POLICY, PARAM, KSEL, G, BS, NBR, LOWB)
-                _lychee_select(key_base, NBV, out_base, stride_ok, n, KSEL, KP, NBR, NR1, NR2, NRT, LOWB)
+            if MASS:
+                tl.store(MASSO + seg.to(tl.int64) * NB + blk, score, mask=blk < NB)
+            if sel_i != 0:
+                _lychee_block_keys(KEYS + seg.to(tl.int64) * NB, blk, score, NBV, lo, hi, sb0, sb1, lb0, lb1, BS,
+                                   LOWB)
+                tl.debug_barrier()
+                ticket = tl.atomic_add(CNT + seg, 1)
+                if ticket == NKC - 1:
+                    tl.store(CNT + seg, 0)
+                    key_base = KEYS + seg.to(tl.int64) * NB
+                    n = _lychee_keep_count(key_base, NBV, lo, hi, POLICY, PARAM, KSEL, G, BS, NBR, LOWB)
+                    _lychee_select(key_base, NBV, out_base, stride_ok, n, KSEL, KP, NBR, NR1, NR2, NRT, LOWB)
+        if MASS:
+            if retr_i == 0 and c_key == 0:
+                # a sparse head's attended blocks: mass per virtual block, stored at its real block
+                lse_row, gg, g_ok = _lychee_row_lse(PM, PL, prow0, sl, live, G, G2)
+                vb = tl.arange(0, NVBP)
+                vl = tl.load(VBLSE + (seg.to(tl.int64) * G + gg[:, None]) * NVB + vb[None, :],
+                             mask=g_ok[:, None] & (vb < NVB)[None, :], other=float("-inf"))
+                vmass = tl.sum(tl.exp2(vl - lse_row[:, None]), 0)
+                vblk, vok = _lychee_virtual_blocks(vb, sb0, sb1, lb0, lb1,
+                                                   IDX + b64 * stride_ib + h64 * stride_ih, stride_ik,
+                                                   {{extra_row}}, stride_xk, NB, S_MAX, L_MAX, KSEL, KX)
+                tl.store(MASSO + seg.to(tl.int64) * NB + vblk, vmass, mask=vok & (vb < NVB))
+
+
+@triton.jit
+def _lychee_block_keys(KEYS_ROW, blk, score, NBV, lo, hi, sb0, sb1, lb0, lb1, BS: tl.constexpr, LOWB: tl.constexpr):
+    """Selection keys of blocks `blk`: fp32 bits of the block score with the low LOWB bits cleared (non-negative
+    floats order like their bits; top-k: policies.rank_score) for candidates, the bits of -score for sink / local
+    blocks (negative ints, never -1 = NaN bits: topp needs their mass, the counting passes ignore every negative
+    key), -1 for the rest."""
+    cand = (blk < NBV) & (blk * BS < hi) & ((blk + 1) * BS > lo) & ((blk < sb0) | (blk >= sb1)) \\
+        & ((blk < lb0) | (blk >= lb1))
+    fixed = ((blk >= sb0) & (blk < sb1)) | ((blk >= lb0) & (blk < lb1))
+    key = tl.where(cand, score.to(tl.int32, bitcast=True) & (-(1 << LOWB)),
+                   tl.where(fixed, (-score).to(tl.int32, bitcast=True), -1))
+    tl.store(KEYS_ROW + blk, key, mask=blk < NBV)
 ''' + '''
 
 @triton.jit
@@ -589,6 +644,26 @@ def _lychee_write_chunk(KEYS_ROW, NB, c, offs, OUT_ROW, stride_o, thr, take_all,
 
 ''' + KERNEL_HELPERS_SOURCE + ''''''
 
+SPLIT_NAMES = ("Q", "K", "V", "ROWLO", "ROWHI", "TVP", "RETR", "IDX", "PM", "PL", "BLSE", "CNT")
+COMBINE_NAMES = ("PACC", "PM", "PL", "BLSE", "VALID", "ROWLO", "ROWHI", "TVP", "RETR", "SEL", "IDX", "IDXO", "KEYS",
+                 "CNT")
+MASS_NAMES = ("EXTRA", "VBLSE", "MASSO")      # the mass variant's extra inputs, appended to both kernels'
+
+
+def _source(names, body, mass: bool) -> str:
+    """One kernel's template text: def_kernel over its tensors, the glossary, the body; the mass variant names
+    EXTRA / VBLSE / MASSO (the plain one never touches them: its MASS branches are constexpr-dead)."""
+    names = names + MASS_NAMES if mass else names
+    head = "{{def_kernel(" + ", ".join(f'"{n}"' for n in names) + ")}}\n"
+    body = body.replace("{{extra_strides}}", 'stride_xb, stride_xh, stride_xk = {{stride("EXTRA")}}' if mass
+                        else "stride_xk = 0")
+    return head + GLOSSARY + body.replace("{{extra_row}}", "EXTRA + b64 * stride_xb + h64 * stride_xh" if mass
+                                          else "IDX")
+
+
+SPLIT_SOURCE, SPLIT_MASS_SOURCE = (_source(SPLIT_NAMES, SPLIT_BODY, m) for m in (False, True))
+COMBINE_SOURCE, COMBINE_MASS_SOURCE = (_source(COMBINE_NAMES, COMBINE_BODY, m) for m in (False, True))
+
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -602,8 +677,10 @@ def _next_pow2(n: int) -> int:
 def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink_tokens: int, local_tokens: int,
                   scale: float, num_splits: int, nb_hint: int, block_n: int = 64, nbr_max: int = 16384,
                   blse_sums: int = 0, sparse_cost: int = 2, policy: int = 0,
-                  policy_param: float = 0.0, select_tiers: tuple = (1024, 8192)):
-    """Constexpr parameters shared by both kernels (a plain dict, hashable inputs only)."""
+                  policy_param: float = 0.0, select_tiers: tuple = (1024, 8192), mass: bool = False,
+                  extra_width: int = 0):
+    """Constexpr parameters shared by both kernels (a plain dict, hashable inputs only). mass / extra_width: the
+    mass variant (MASS, KX; see the glossary)."""
     bs = int(block_size)
     block_n = max(int(block_n), bs)
     assert block_n % bs == 0, (block_n, bs)
@@ -613,8 +690,11 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
         KSEL=K_sel, KP=_next_pow2(max(K_sel, 1)), SINK=sink_tokens, LOCAL=local_tokens,
         S_MAX=(-(-sink_tokens // bs) + 1) if sink_tokens > 0 else 0,
         L_MAX=(-(-local_tokens // bs) + 1) if local_tokens > 0 else 0,
-        NUM_SPLITS=num_splits, SPARSE_COST=int(sparse_cost),
+        NUM_SPLITS=num_splits, SPARSE_COST=int(sparse_cost), MASS=int(bool(mass)), KX=int(extra_width),
     )
+    assert mass or not extra_width, "extra blocks come with the mass variant"
+    common.update(NVB=common["S_MAX"] + common["L_MAX"] + K_sel + common["KX"])
+    common.update(NVBP=_next_pow2(common["NVB"]))
     split = dict(common, QK_SCALE_LOG2=float(scale) * 1.4426950408889634, DOT_UPCAST=interpreting(),
                  BLSE_SUMS=int(blse_sums))
     nbr = max(16, min(nbr_max, _next_pow2(nb_hint)))
@@ -631,10 +711,17 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
 # Standalone rendering: the same Jinja text as a plain @triton.jit kernel with explicit size / stride arguments.
 # ---------------------------------------------------------------------------------------------------------------
 
-SPLIT_TENSORS = {"Q": 4, "K": 4, "V": 4, "ROWLO": 1, "ROWHI": 1, "TVP": 1, "RETR": 1, "IDX": 3, "PM": 3, "PL": 3, "BLSE": 4, "CNT": 1}
+RANKS = {"Q": 4, "K": 4, "V": 4, "ROWLO": 1, "ROWHI": 1, "TVP": 1, "RETR": 1, "IDX": 3, "PM": 3, "PL": 3, "BLSE": 4,
+         "CNT": 1, "PACC": 4, "VALID": 2, "SEL": 1, "IDXO": 3, "KEYS": 3, "EXTRA": 3, "VBLSE": 3, "MASSO": 3,
+         "OUT": 4}
 SPLIT_OUT = ("PACC", 4)
-COMBINE_TENSORS = {"PACC": 4, "PM": 3, "PL": 3, "BLSE": 4, "VALID": 2, "ROWLO": 1, "ROWHI": 1, "TVP": 1, "RETR": 1, "SEL": 1, "IDX": 3, "IDXO": 3, "KEYS": 3, "CNT": 1}
 COMBINE_OUT = ("OUT", 4)
+
+
+def kernel_tensors(kind: str, mass: bool) -> dict:
+    """{name: rank} of a kernel's tensor arguments, in def_kernel order."""
+    names = (SPLIT_NAMES if kind == "split" else COMBINE_NAMES) + (MASS_NAMES if mass else ())
+    return {n: RANKS[n] for n in names}
 
 
 class _StandaloneRenderer:
@@ -680,12 +767,13 @@ _MODULE_DIR = os.path.join(tempfile.gettempdir(), f"lychee_kernels_{os.getuid() 
 @functools.lru_cache(maxsize=None)
 def _standalone(kind: str, constexpr_items: tuple):
     constexprs = dict(constexpr_items)
+    mass = bool(constexprs.get("MASS", 0))
     if kind == "split":
-        r = _StandaloneRenderer("lychee_hybrid_split", SPLIT_TENSORS, SPLIT_OUT, constexprs)
-        src, args = r.render(SPLIT_SOURCE)
+        r = _StandaloneRenderer("lychee_hybrid_split", kernel_tensors(kind, mass), SPLIT_OUT, constexprs)
+        src, args = r.render(SPLIT_MASS_SOURCE if mass else SPLIT_SOURCE)
     else:
-        r = _StandaloneRenderer("lychee_hybrid_combine", COMBINE_TENSORS, COMBINE_OUT, constexprs)
-        src, args = r.render(COMBINE_SOURCE)
+        r = _StandaloneRenderer("lychee_hybrid_combine", kernel_tensors(kind, mass), COMBINE_OUT, constexprs)
+        src, args = r.render(COMBINE_MASS_SOURCE if mass else COMBINE_SOURCE)
     text = "import triton\nimport triton.language as tl\n\n" + src
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     os.makedirs(_MODULE_DIR, exist_ok=True)
@@ -751,9 +839,10 @@ def _arg_values(args, tensors):
 def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, out=None,
                    idx_out=None, num_splits=None, block_n=64, nbr_max=16384, ws=None, split_warps=4,
                    split_stages=3, combine_warps=16, blse_sums=0, sparse_cost=2, select=None,
-                   policy=0, policy_param=0.0, select_tiers=(1024, 8192)):
-    """Bind both kernels to fixed buffers: returns (split(), combine(), out, idx_out). Nothing is allocated per
-    call, so the pair can be captured in a CUDA graph."""
+                   policy=0, policy_param=0.0, select_tiers=(1024, 8192), extra=None, with_mass=False):
+    """Bind both kernels to fixed buffers: returns (split(), combine(), out, idx_out, mass or None). Nothing is
+    allocated per call, so the pair can be captured in a CUDA graph. extra / with_mass: the mass variant
+    (lychee::hybrid_decode_mass)."""
     import torch
     B, Hq, _, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
@@ -765,9 +854,17 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
     sp, cp = kernel_params(G=G, Hkv=Hkv, D=D, K_sel=K_sel, block_size=block_size, sink_tokens=sink_tokens,
                            local_tokens=local_tokens, scale=float(scale), num_splits=num_splits, nb_hint=nb,
                            block_n=block_n, nbr_max=nbr_max, blse_sums=blse_sums, sparse_cost=sparse_cost,
-                           policy=policy, policy_param=policy_param, select_tiers=tuple(select_tiers))
+                           policy=policy, policy_param=policy_param, select_tiers=tuple(select_tiers),
+                           mass=with_mass or extra is not None, extra_width=0 if extra is None else extra.shape[-1])
     if ws is None:
         ws = workspace(B, Hkv, G, D, T, block_size, num_splits, q.device)
+    mass_ws = {}
+    if sp["MASS"]:
+        extra = torch.full((B, Hkv, 0), -1, dtype=torch.int32, device=q.device) if extra is None else extra
+        mass_ws = dict(EXTRA=extra, VBLSE=torch.empty(B * Hkv, G, sp["NVB"], dtype=torch.float32, device=q.device),
+                       MASSO=torch.empty(B, Hkv, nb, dtype=torch.float32, device=q.device))
+        mass_ws.update({n: ws[n] for n in ("VBLSE", "MASSO") if n in ws})     # tests poison them
+    ws = {n: t for n, t in ws.items() if n not in mass_ws}
     out = torch.empty_like(q) if out is None else out
     idx_out = torch.empty_like(idx_in) if idx_out is None else idx_out
     valid8 = valid.to(torch.int8)
@@ -776,9 +873,10 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
     sel8 = retr8 if select is None else select.to(torch.int8)
     ks, kargs, _ = render_standalone("split", sp)
     kc, cargs, _ = render_standalone("combine", cp)
-    v1 = _arg_values(kargs, dict(Q=q, K=k, V=v, **ext, RETR=retr8, IDX=idx_in, **ws))
+    v1 = _arg_values(kargs, dict(Q=q, K=k, V=v, **ext, RETR=retr8, IDX=idx_in, **ws, **mass_ws))
     v2 = _arg_values(cargs, dict(PACC=ws["PACC"], PM=ws["PM"], PL=ws["PL"], BLSE=ws["BLSE"], VALID=valid8,
-                                 **ext, RETR=retr8, SEL=sel8, IDX=idx_in, IDXO=idx_out, KEYS=ws["KEYS"], CNT=ws["CNT"], OUT=out))
+                                 **ext, RETR=retr8, SEL=sel8, IDX=idx_in, IDXO=idx_out, KEYS=ws["KEYS"], CNT=ws["CNT"],
+                                 OUT=out, **mass_ws))
     combine_grid = (B * Hkv, G + -(-nb // cp["KC"]))
 
     def split():
@@ -787,7 +885,7 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
     def combine():
         kc[combine_grid](*v2, num_warps=combine_warps, num_stages=1)
 
-    return split, combine, out, idx_out
+    return split, combine, out, idx_out, mass_ws.get("MASSO")
 
 
 def row_extent(valid):
@@ -804,12 +902,13 @@ def row_extent(valid):
 
 
 def hybrid_decode_triton(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, **kw):
-    """Standalone launcher of the two kernels (same source as the Inductor lowering). Returns (out, idx_out)."""
-    split, combine, out, idx_out = make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size,
-                                                  sink_tokens, local_tokens, **kw)
+    """Standalone launcher of the two kernels (same source as the Inductor lowering). Returns (out, idx_out), or
+    (out, idx_out, mass) with extra= / with_mass=True (lychee::hybrid_decode_mass)."""
+    split, combine, out, idx_out, mass = make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size,
+                                                        sink_tokens, local_tokens, **kw)
     split()
     combine()
-    return out, idx_out
+    return (out, idx_out) if mass is None else (out, idx_out, mass)
 
 
 def cross_compile(kind: str, constexprs: dict, dtype: str = "bf16", num_warps: int = 4, num_stages: int = 3,
@@ -820,11 +919,12 @@ def cross_compile(kind: str, constexprs: dict, dtype: str = "bf16", num_warps: i
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     fn, args, _ = render_standalone(kind, dict(constexprs, DOT_UPCAST=False) if kind == "split" else constexprs)
-    ptr_types = {"Q": dtype, "K": dtype, "V": dtype, "VALID": "i8", "ROWLO": "i32", "ROWHI": "i32", "TVP": "i32", "RETR": "i8", "SEL": "i8", "IDX": "i32", "IDXO": "i32",
-                 "KEYS": "i32", "CNT": "i32", "PM": "fp32", "PL": "fp32", "BLSE": "fp32", "PACC": "fp32", "OUT": dtype}
+    ptr_types = {"Q": dtype, "K": dtype, "V": dtype, "VALID": "i8", "ROWLO": "i32", "ROWHI": "i32", "TVP": "i32",
+                 "RETR": "i8", "SEL": "i8", "IDX": "i32", "IDXO": "i32", "KEYS": "i32", "CNT": "i32", "PM": "fp32",
+                 "PL": "fp32", "BLSE": "fp32", "PACC": "fp32", "OUT": dtype, "EXTRA": "i32", "VBLSE": "fp32",
+                 "MASSO": "fp32"}
     signature, consts, attrs = {}, {}, {}
-    rank = dict(SPLIT_TENSORS if kind == "split" else COMBINE_TENSORS)
-    rank.update(dict([SPLIT_OUT if kind == "split" else COMBINE_OUT]))
+    rank = RANKS
     for i, a in enumerate(args):
         if a in ptr_types:
             signature[a] = "*" + ptr_types[a]
