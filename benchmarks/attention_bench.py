@@ -198,8 +198,13 @@ def bench_config(T, B, n_retr, budget, bw, variants=None, time_baselines=True, c
     for name, kw in variants.items():
         launchers = []
         ws = workspace(B, HKV, G, D, cap, BS, kw.get("num_splits") or 2 * torch.cuda.get_device_properties(0).multi_processor_count, dev)
+        idx_v = idx_in
+        if "extra_width" in kw:     # the mass variant (heat / Quest picks): KX extra blocks, disjoint from idx_in
+            kw = dict(kw)
+            both = random_index(B, T, K + kw.pop("extra_width"), dev)
+            idx_v, kw["extra"] = both[..., :K].contiguous(), both[..., K:].contiguous()
         for (q, k, v) in sets:
-            launchers.append(make_launchers(q, k, v, valid, retrieval, idx_in, scale, BS, SINK, LOCAL, ws=ws, **kw))
+            launchers.append(make_launchers(q, k, v, valid, retrieval, idx_v, scale, BS, SINK, LOCAL, ws=ws, **kw))
         row[f"{name}_ms"] = time_calls([(lambda s=s, c=c: (s(), c())) for s, c, *_ in launchers])
         if name != "ours":
             row[f"{name}_combine_ms"] = time_calls([c for _, c, *_ in launchers])
@@ -280,7 +285,7 @@ def main():
     ap.add_argument("--tune", action="store_true", help="time kernel variants on the headline configs")
     ap.add_argument("--profile", action="store_true", help="torch.profiler kernel times of the headline config")
     ap.add_argument("--variants", default=None, help='extra kernel variants timed beside ours on every row, JSON '
-                    '{"name": {make_launchers keyword: value}}, e.g. \'{"cw8": {"combine_warps": 8}}\'')
+                    '{"name": {make_launchers keyword: value}}, e.g. \'{"cw8": {"combine_warps": 8}}\'; "extra_width": N times the mass variant with N extra blocks per sparse head')
     ap.add_argument("--rows", default=None, help="only these rows: T:B:n_retr:budget[:cap],... (cap = cache length "
                     "the T valid tokens sit in, default T)")
     args = ap.parse_args()
