@@ -21,6 +21,12 @@ Rows (--rows, comma list; each row is timed at every context):
               R-th step. Each context gets a fresh get_compiled_call (a fresh rectifier, as each generate() does).
               TPOT of these rows is the MEAN of the per-step times (rectification amortized), not the median;
               `median_ms` and `rectifications_timed` are recorded next to it
+  h12_<b>_heat<N>, h12_<b>_qs<N>, h12_<b>_qall (and h25_)
+              the hybrid row with issue 7's cross-step state (its own compile): heat<N> = LycheeConfig(heat_blocks=N,
+              heat_decay=0.9); qs<N> = quest="sparse", quest_blocks=N (sparse heads add their own top N blocks by the
+              min/max bound); qall = quest="all" (the Quest baseline: every head selects its own blocks, the head
+              map is unused). Their floors add the state's bytes (heat: read + write fp32 per block and KV head;
+              Quest: the min/max descriptors of the valid blocks) and the extra blocks' K/V
   floor       per row: (weights bytes + the KV bytes that row must read) / device-to-device copy bandwidth measured
               in the same run (bytes read + written)
 
@@ -173,17 +179,41 @@ def expand_rows(rows: str, budgets: list[int]) -> list[str]:
         for x in (known if r == "all" else [r] if r else []):
             if x not in picked:
                 picked.append(x)
-    unknown = [r for r in picked if r not in known and rectify_of(r) is None]
-    if unknown or any(r not in known and rectify_of(r)[0] not in known for r in picked):
+    unknown = [r for r in picked if r not in known and feature_of(r) is None]
+    if unknown or any(r not in known and feature_of(r)[0] not in known for r in picked):
         raise BenchError(f"unknown rows {unknown or picked}; choose from {known}, all, none, or a hybrid row with "
-                         "_r<R> (rectify_every=R, R >= 1) (h12_/h25_ take a budget from --budgets).")
+                         "_r<R> (rectify_every=R, R >= 1), _heat<N>, _qs<N> or _qall (h12_/h25_ take a budget "
+                         "from --budgets).")
     return picked
+
+
+def feature_of(row: str):
+    """('h12_4096', 'r32') for 'h12_4096_r32' (likewise _heat<N>, _qs<N>, _qall); None for a plain row."""
+    m = re.fullmatch(r"(h12|h25)_(\d+)_(r[1-9]\d*|heat[1-9]\d*|qs[1-9]\d*|qall)", row)
+    return None if m is None else (f"{m.group(1)}_{m.group(2)}", m.group(3))
+
+
+def feature_config(tag: str) -> dict:
+    """LycheeConfig keywords of a row suffix (see the module docstring)."""
+    if tag == "qall":
+        return dict(quest="all")
+    if tag.startswith("heat"):
+        return dict(heat_blocks=int(tag[4:]), heat_decay=0.9)
+    if tag.startswith("qs"):
+        return dict(quest="sparse", quest_blocks=int(tag[2:]))
+    return dict(rectify_every=int(tag[1:]))
 
 
 def rectify_of(row: str):
     """('h12_4096', 32) for 'h12_4096_r32'; None for a row without rectification."""
-    m = re.fullmatch(r"(h12|h25)_(\d+)_r(\d+)", row)
-    return None if m is None or int(m.group(3)) < 1 else (f"{m.group(1)}_{m.group(2)}", int(m.group(3)))
+    f = feature_of(row)
+    return None if f is None or not f[1].startswith("r") else (f[0], int(f[1][1:]))
+
+
+def base_row(row: str) -> str:
+    """The plain row whose head map and budget a suffixed row uses."""
+    f = feature_of(row)
+    return row if f is None else f[0]
 
 
 def variant_of(row: str, budgets: list[int]) -> tuple[str, int]:
@@ -192,9 +222,9 @@ def variant_of(row: str, budgets: list[int]) -> tuple[str, int]:
         return row, max(budgets)
     if row == "dense":
         return "lychee", max(budgets)
-    rect = rectify_of(row)
-    if rect is not None:
-        return f"lychee_r{rect[1]}", int(row.split("_")[1])
+    f = feature_of(row)
+    if f is not None:
+        return f"lychee_{f[1]}", int(row.split("_")[1])
     return "lychee", int(row.split("_")[1])
 
 
@@ -470,15 +500,27 @@ def row_head_map(row: str, model, seed: int):
 def kv_read_bytes(model, row: str, batch: int, valid: float, budget: int, sink: int, local: int,
                   effective) -> float:
     """K+V bytes a row must read: dense rows every KV head over the valid length; hybrid rows retrieval heads over
-    the valid length, sparse heads sink + local + budget tokens (capped at the valid length)."""
+    the valid length, sparse heads sink + local + budget tokens (capped at the valid length). Suffixed rows add
+    their state and extra blocks: heat<N> N blocks more per sparse head and its fp32 heat per block read and
+    written; qs<N> N blocks more per sparse head and the sparse heads' min/max descriptors; qall every head sparse,
+    reading every head's descriptors."""
     cfg = model.config
-    per_token = batch * cfg.head_dim * 2 * model.dtype.itemsize        # K and V of one head, one position
+    itemsize = model.dtype.itemsize
+    per_token = batch * cfg.head_dim * 2 * itemsize                    # K and V of one head, one position
     heads_total = cfg.num_hidden_layers * cfg.num_key_value_heads
     if effective is None:
         return per_token * heads_total * valid
-    n_retr = int(effective.sum())
-    sparse_tokens = min(valid, sink + local + budget)
-    return per_token * (n_retr * valid + (heads_total - n_retr) * sparse_tokens)
+    tag = (feature_of(row) or (row, ""))[1]
+    n_retr = 0 if tag == "qall" else int(effective.sum())
+    extra_tokens = 16 * int(tag[4:] if tag.startswith("heat") else tag[2:] if tag.startswith("qs") else 0)
+    sparse_tokens = min(valid, sink + local + budget + extra_tokens)
+    state = 0.0
+    blocks = batch * valid / 16
+    if tag.startswith("heat"):
+        state = heads_total * blocks * 4 * 2
+    elif tag.startswith("q"):
+        state = (heads_total - n_retr) * blocks * 2 * cfg.head_dim * itemsize
+    return per_token * (n_retr * valid + (heads_total - n_retr) * sparse_tokens) + state
 
 
 # ------------------------------------------------------------------------------------------------ variants
@@ -495,8 +537,8 @@ class Variant:
 def lychee_config(args, kind: str, budget: int):
     from lychee_compile import LycheeConfig
     kw = dict(budget=budget, block_size=16, sink_tokens=args.sink, local_tokens=args.local)
-    if kind.startswith("lychee_r"):
-        kw["rectify_every"] = int(kind[len("lychee_r"):])
+    if kind.startswith("lychee_"):
+        kw.update(feature_config(kind[len("lychee_"):]))
     if args.device == "cpu":
         kw["backend"] = "eager"
     elif not args.no_cuda_graphs:
@@ -520,7 +562,7 @@ def build_variant(args, base, kind: str, budget: int) -> Variant:
     head_map = all_retrieval_map(model)
     lychee_compile(model, head_map, lychee_config(args, kind, budget))
     name = "flash_dense" if kind == "flash_dense" else f"lychee_b{budget}"
-    if kind.startswith("lychee_r"):
+    if kind.startswith("lychee_"):
         name += kind[len("lychee"):]
     layers = model._lychee_state.global_layers
     return Variant(name, model, budget=budget, global_layers=layers, setup_s=time.perf_counter() - t0)
@@ -564,7 +606,7 @@ def variants_needed(args) -> list[tuple[str, int]]:
     top = max(args.budget_list)
     order = [("lychee", top), ("flash_dense", top), ("hf", top)] + [("lychee", b) for b in
                                                                       sorted(args.budget_list, reverse=True)[1:]]
-    order += sorted(v for v in wanted if v[0].startswith("lychee_r"))      # rectification: one compile each
+    order += sorted(v for v in wanted if v[0].startswith("lychee_"))   # rectification, heat, Quest: one compile each
     return [v for v in order if v in wanted]
 
 
@@ -851,7 +893,7 @@ def run_profile(args, base, results) -> None:
         cc.mode = "default"
         variant.model.generation_config.compile_config = cc
     if kind != "hf" and row != "flash_dense":
-        apply_head_map(args, variant, rectify_of(row)[0] if rectify_of(row) else row)
+        apply_head_map(args, variant, base_row(row))
     warm = 3
     cache = make_cache(base, batch, -(-(ctx + warm + steps + 4) // 256) * 256, args.device, base.dtype, args.seed)
     forward = compiled_forward(variant, {"past_key_values": cache})
@@ -1019,9 +1061,8 @@ def _row_order(row: str) -> int:
     order = ["hf", "flash_dense", "dense"]
     if row in order:
         return order.index(row)
-    rect = rectify_of(row)
-    base = rect[0] if rect else row
-    return 3 + 4 * int(base.split("_")[1]) + (0 if base.startswith("h12") else 2) + (1 if rect else 0)
+    base = base_row(row)
+    return 3 + 4 * int(base.split("_")[1]) + (0 if base.startswith("h12") else 2) + (1 if base != row else 0)
 
 
 def _ctx(c: int) -> str:
