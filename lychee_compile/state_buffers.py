@@ -9,7 +9,7 @@ Quest descriptors (`_lychee_quest`, Quest bounds on; layout in ops/quest.py) are
 buffer is created by the first eager forward that carries a cache (generate()'s prefill), not at install. After
 every eager forward with a cache (a prefill; a rectification's dense re-encode, rectify.py) the wrapped forward
 rebuilds every block's descriptor from that cache's global layers under the forward's padding mask; the compiled
-decode steps then keep them current themselves (lychee::hybrid_decode_quest). A compiled decode step called on a
+decode steps then keep them current themselves (quest_decode_step). A compiled decode step called on a
 cache object other than the one they were built from (a cache this model did not prefill: the eval harness
 prefills on the base model and scores copies) rebuilds them from that cache first, outside the graph
 (QuestDescriptors.before_decode, run by the wrapped compiled call). Changes to a cache made without this model's

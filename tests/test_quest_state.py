@@ -73,7 +73,7 @@ def test_state_follows_prefill_decode_and_new_sequences(mode):
         if lengths == (26, 17):
             assert state.counters.decode_graphs == 1, "a generate() of the same shapes recompiled the decode step"
     snap = state.snapshots[0]
-    assert snap.count("hybrid_decode_quest") == 3 and "desc=layer_slot(state.quest, 2)" in snap
+    assert snap.count("quest_decode_step") == 3 and "desc=layer_slot(state.quest, 2)" in snap
     assert "write_state(state.quest <- stack of 3 quest slices)" in snap
 
 
@@ -91,7 +91,7 @@ def test_compiled_matches_semantics_on_both_caches(mode):
         model, state = compiled("llama", "sdpa", retrieval=retrieval, first_layer_retrieval=first, **CFG,
                                 **MODES[mode])
         seq, logits = generate_logits(model, ids, mask, 6, cache=cache)
-        assert state.counters.decode_calls == 5 and "hybrid_decode_quest" in state.snapshots[0], cache
+        assert state.counters.decode_calls == 5 and "quest_decode_step" in state.snapshots[0], cache
         assert max_logit_diff(logits, ref_logits) < EXACT_TOL and torch.equal(seq, ref_seq), cache
 
 
@@ -104,7 +104,7 @@ def test_inductor_runs_the_quest_op_and_writes_the_state():
     model, state = compiled("llama", "sdpa", retrieval=mixed_map(make("llama")), backend="inductor", **CFG,
                             **MODES["sparse"])
     _, cache = run(model, ids, mask, 5)
-    assert state.counters.decode_calls == 4 and "hybrid_decode_quest" in state.snapshots[0]
+    assert state.counters.decode_calls == 4 and "quest_decode_step" in state.snapshots[0]
     assert_state_is_fresh(model, state, cache, cache_valid(cache, mask, ids.shape[1] + 4))
     _, logits = generate_logits(model, ids, mask, 5)
     assert max_logit_diff(logits, want) < EXACT_TOL

@@ -27,8 +27,9 @@ POLICIES = {"topk": 0, "topp": 1, "threshold": 2, "ratio": 3}
 # the exact-score top-k wherever the k-th and (k+1)-th scores differ by more than 1e-3 (the kernel issue's bar);
 # closer ones are ties, resolved to the lower block. Why: the kernel's threshold search then covers 20 bits, not 31
 # (10 counting passes instead of 16 in the device's single-program latency chain). The mass-based policies (topp,
-# threshold, ratio) rank exact scores: the count they keep depends on exact masses. Quest and heat picks (reference
-# only, no kernel) rank exact scores too.
+# threshold, ratio) rank exact scores: the count they keep depends on exact masses. Quest and heat picks
+# (select_top_blocks: plain tensor ops in the heat.py / quest_decode.py composites, no kernel search) rank exact
+# scores too.
 RANK_DROP_BITS = 11
 
 
@@ -69,20 +70,22 @@ def ranked_selection(block_score: torch.Tensor, candidate: torch.Tensor, capacit
     block_score fp32 [..., nb] (sum over the group's G heads of probs); candidate bool [..., nb].
     """
     nb = block_score.shape[-1]
-    keyed = block_score.masked_fill(~candidate, float("-inf"))
+    # `capacity` non-candidate columns past the last block: the ranking is always >= capacity wide, so there is no
+    # branch on nb (a symbolic size under dynamic shapes: a guard) and the padding slots come out EMPTY by themselves.
+    score = torch.nn.functional.pad(block_score, (0, capacity))                   # [..., nb + capacity]
+    candidate = torch.nn.functional.pad(candidate, (0, capacity), value=False)
+    keyed = score.masked_fill(~candidate, float("-inf"))
     order = torch.sort(keyed, dim=-1, descending=True, stable=True).indices     # ties: the lower block first
     taken = torch.gather(candidate, -1, order)
-    ranked_mass = torch.where(taken, torch.gather(block_score, -1, order) / group, torch.zeros(()))
+    ranked_mass = torch.where(taken, torch.gather(score, -1, order) / group, 0.0)
     n = keep_counts(policy, param, ranked_mass, taken.sum(-1), fixed_mass, valid_blocks, capacity)
-    rank = torch.arange(nb, device=order.device)
+    rank = torch.arange(order.shape[-1], device=order.device)
     keep = taken & (rank < n[..., None])
     chosen = torch.sort(torch.where(keep, order, torch.full_like(order, nb)), dim=-1).values[..., :capacity]
-    if chosen.shape[-1] < capacity:
-        chosen = torch.nn.functional.pad(chosen, (0, capacity - chosen.shape[-1]), value=nb)
     return torch.where(chosen == nb, torch.full_like(chosen, EMPTY), chosen).to(INDEX_DTYPE)
 
 
 def select_top_blocks(block_score: torch.Tensor, candidate: torch.Tensor, k: int) -> torch.Tensor:
     """Plain top-k (the default policy): [..., nb] scores and candidates -> int32 [..., k]."""
-    unused = torch.zeros(block_score.shape[:-1])
+    unused = block_score.new_zeros(block_score.shape[:-1])
     return ranked_selection(block_score, candidate, k, 1, POLICIES["topk"], 0.0, unused, unused)

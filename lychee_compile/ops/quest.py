@@ -11,8 +11,9 @@ With GQA the group's G queries are pooled into their mean (one bound per KV head
 Two ways to get the descriptors, with the same values:
   - stateless (lychee::hybrid_decode with quest_mode != 0): block_min_max over the whole cache on every call; the
     definition, and what the op-level tests compare against;
-  - incremental (what rewritten models use, lychee::hybrid_decode_quest in quest_decode.py): descriptors live in a
-    cross-step state buffer and a decode step recomputes only the block holding each row's newest valid key.
+  - incremental (what rewritten models use: quest_decode_step in quest_decode.py, and the eager definition it is
+    tested against, lychee::hybrid_decode_quest): descriptors live in a cross-step state buffer and a decode step
+    recomputes only the block holding each row's newest valid key.
 
 State layout (one buffer per compiled model, the non-persistent buffer `_lychee_quest`, static address):
 
@@ -87,9 +88,11 @@ def update_descriptors(desc: torch.Tensor, k: torch.Tensor, valid: torch.Tensor,
     out[rows, :, blk] = torch.where((newest >= 0)[:, None, None, None], fresh.to(desc.dtype), out[rows, :, blk])
     pad = nb * block_size - T
     has_key = torch.nn.functional.pad(valid, (0, pad), value=False).unflatten(-1, (nb, block_size)).any(-1)
+    # Full width (blocks past the cache count as keeping theirs), not out[:, :, :nb]: at a symbolic nb (DynamicCache)
+    # that view of the static-size state guards nb != NB, a recompile at the buffer's last block.
+    keep = torch.nn.functional.pad(has_key, (0, desc.shape[2] - nb), value=True)  # [B, NB]
     empty = torch.stack([inf, -inf]).to(desc.dtype)[:, None]                       # [2, 1]
-    out[:, :, :nb] = torch.where(has_key[:, None, :, None, None], out[:, :, :nb], empty)
-    return out
+    return torch.where(keep[:, None, :, None, None], out, empty)
 
 
 def quest_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -97,4 +100,4 @@ def quest_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torc
     qbar = q.mean(dim=2)[:, :, None, :]                                   # [B, H, 1, D]
     lo, hi = qbar * kmin, qbar * kmax
     both = torch.maximum(lo, hi)
-    return torch.where(torch.isfinite(both), both, torch.zeros(())).sum(-1)
+    return torch.where(torch.isfinite(both), both, 0.0).sum(-1)

@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 
 from . import sparsity
-from .index_state import EMPTY
+from .index_state import EMPTY, INDEX_DTYPE
 from .quest import QUEST_MODES, block_min_max, quest_bound, update_descriptors
-from .policies import POLICIES, rank_score, ranked_selection, select_top_blocks  # noqa: F401  (select_top_blocks: training)
+from .policies import POLICIES, rank_score, ranked_selection, select_top_blocks
 
 
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -62,6 +62,13 @@ def sink_local_blocks(valid: torch.Tensor, block_size: int, num_blocks: int, sin
     return block_any(sink_tok, block_size, num_blocks), block_any(local_tok, block_size, num_blocks)
 
 
+def block_masks(valid: torch.Tensor, block_size: int, num_blocks: int, sink_tokens: int, local_tokens: int):
+    """(valid_blk, fixed_blk) bool [B, nb]: blocks holding a valid position; sink | local blocks (every head attends
+    them, no index row stores them)."""
+    sink_blk, local_blk = sink_local_blocks(valid, block_size, num_blocks, sink_tokens, local_tokens)
+    return block_any(valid, block_size, num_blocks), sink_blk | local_blk
+
+
 def blocks_of_index(idx: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """int32 [B, H, K] index state -> bool [B, H, nb] membership (EMPTY and out-of-range slots ignored)."""
     idx = idx.to(torch.int64)
@@ -69,6 +76,57 @@ def blocks_of_index(idx: torch.Tensor, num_blocks: int) -> torch.Tensor:
     member = torch.zeros(*idx.shape[:-1], num_blocks + 1, dtype=torch.bool, device=idx.device)
     member.scatter_(-1, torch.where(real, idx, torch.full_like(idx, num_blocks)), True)
     return member[..., :num_blocks]
+
+
+def sparse_set(idx: torch.Tensor, fixed_blk: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """What a sparse head attends: its index row's blocks | sink / local blocks, bool [B, H, nb]."""
+    return blocks_of_index(idx, num_blocks) | fixed_blk[:, None, :]
+
+
+def pick_blocks(score: torch.Tensor, excluded: torch.Tensor, valid_blk: torch.Tensor, n: int,
+                eligible: torch.Tensor | None = None) -> torch.Tensor:
+    """Top n blocks by exact score [B, H, nb] among valid blocks outside `excluded` (and inside `eligible`), ties to
+    the lower block: int32 [B, H, max(n, 1)], ascending, EMPTY-padded (n = 0: one EMPTY slot, since kernels take no
+    zero-width `extra`). The heat / Quest picks; outside the sparse set, they meet hybrid_decode_mass's contract."""
+    if n == 0:
+        return torch.full((*score.shape[:-1], 1), EMPTY, dtype=INDEX_DTYPE, device=score.device)
+    allowed = (valid_blk[:, None, :] & ~excluded).expand_as(score)                  # [B, H, nb]
+    if eligible is not None:
+        allowed = allowed & eligible
+    return select_top_blocks(score, allowed, n)
+
+
+def heat_picks(heat: torch.Tensor, sparse_blk: torch.Tensor, valid_blk: torch.Tensor, n: int) -> torch.Tensor:
+    """EvoSparse: a sparse head also attends its n hottest blocks (heat fp32 [B, H, NBH >= nb] of earlier steps, > 0
+    only) outside its sparse set [B, H, nb]: int32 [B, H, max(n, 1)]."""
+    # A copy cut to nb (negative pad), not heat[..., :nb]: at a symbolic nb that view of the static-width buffer
+    # guards nb != NBH (its contiguity), a recompile at the buffer's last block.
+    hot = torch.nn.functional.pad(heat, (0, sparse_blk.shape[-1] - heat.shape[-1]))          # [B, H, nb]
+    return pick_blocks(hot, sparse_blk, valid_blk, n, eligible=hot > 0)
+
+
+def heat_update(heat: torch.Tensor, mass: torch.Tensor, heat_decay: float) -> torch.Tensor:
+    """h_t = decay * h_{t-1} + mass [B, H, nb] (the probabilities this head computed this step, summed over its G
+    query heads, per block) on the cache's blocks; heat's tail [nb, NBH) is returned unchanged."""
+    nb, nbh = mass.shape[-1], heat.shape[-1]
+    # Full-width where, not heat[..., nb:] + cat: slicing the static-width buffer at a symbolic nb (DynamicCache)
+    # guards on the tail's size (empty, one block), i.e. a recompile near the buffer's end.
+    grown = torch.nn.functional.pad(mass, (0, nbh - nb))                             # [B, H, NBH], 0 past nb
+    cache_blk = torch.arange(nbh, device=heat.device) < nb                           # [NBH]
+    return torch.where(cache_blk, heat_decay * heat + grown, heat)
+
+
+def grouped_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q [B, Hq, 1, D] -> fp32 [B, Hkv, G, D] (query head j belongs to KV head j // G)."""
+    return q.float().reshape(q.shape[0], kv_heads, -1, q.shape[-1])
+
+
+def descriptor_bound(q: torch.Tensor, desc: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Quest bound fp32 [B, Hkv, nb] of q [B, Hq, 1, D] from descriptors [B, Hkv, NB >= nb, 2, D] (ops/quest.py)."""
+    # a copy cut to nb, not a view: see heat_picks
+    cut = torch.nn.functional.pad(desc, (0, 0, 0, 0, 0, num_blocks - desc.shape[2]))    # [B, H, nb, 2, D]
+    kmin, kmax = cut.float().unbind(3)
+    return quest_bound(grouped_queries(q, desc.shape[1]), kmin, kmax)
 
 
 def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, block_size: int,
@@ -89,45 +147,40 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
     nb = -(-T // block_size)
     k_sel = idx_in.shape[-1]
 
-    scores = torch.einsum("bhgd,bhtd->bhgt", q.float().reshape(B, Hkv, G, D), k.float()) * scale  # [B,Hkv,G,T]
-    sink_blk, local_blk = sink_local_blocks(valid, block_size, nb, sink_tokens, local_tokens)      # [B, nb]
+    scores = torch.einsum("bhgd,bhtd->bhgt", grouped_queries(q, Hkv), k.float()) * scale            # [B,Hkv,G,T]
+    valid_blk, fixed_blk = block_masks(valid, block_size, nb, sink_tokens, local_tokens)           # [B, nb]
 
     # Retrieval heads: full attention over valid positions, block scores for the next layer's selection.
     p_full = masked_softmax(scores, valid[:, None, None, :])
     block_score = block_sum(p_full.sum(dim=2), block_size, nb)                                     # [B,Hkv,nb]
-    valid_blk = block_any(valid, block_size, nb)                                                   # [B, nb]
-    candidate = (valid_blk & ~sink_blk & ~local_blk)[:, None, :].expand(B, Hkv, nb)
-    fixed_mass = (block_score * (sink_blk | local_blk)[:, None, :]).sum(-1) / G                    # [B, Hkv]
+    candidate = (valid_blk & ~fixed_blk)[:, None, :].expand(B, Hkv, nb)
+    fixed_mass = (block_score * fixed_blk[:, None, :]).sum(-1) / G                                 # [B, Hkv]
     ranked = rank_score(block_score) if policy == POLICIES["topk"] else block_score   # 12 significant bits
     selected = ranked_selection(ranked, candidate, k_sel, G, policy, policy_param, fixed_mass,
                                 valid_blk.sum(-1, keepdim=True))
 
     # Sparse heads: inherited blocks plus sink and local blocks, valid positions only.
-    sparse_blk = blocks_of_index(idx_in, nb) | (sink_blk | local_blk)[:, None, :]                   # [B,Hkv,nb]
+    sparse_blk = sparse_set(idx_in, fixed_blk, nb)                                                 # [B,Hkv,nb]
     if extra is not None:
         sparse_blk = sparse_blk | blocks_of_index(extra, nb)
     is_retrieval = retrieval.to(torch.bool)[None, :, None]                                          # [1,Hkv,1]
     if quest_mode:
         # Quest bound per block from min/max of its valid keys; QUEST_ALL: every head is a Quest head.
         if quest_desc is None:       # stateless: the definition, min / max over the whole cache
-            kmin, kmax = block_min_max(k, valid, block_size, nb)
+            bound = quest_bound(grouped_queries(q, Hkv), *block_min_max(k, valid, block_size, nb))
         else:                        # incremental: the state, with this step's key folded in (the same values)
             desc_out = update_descriptors(quest_desc, k, valid, block_size)
-            kmin, kmax = desc_out[:, :, :nb].float().unbind(3)
-        bound = quest_bound(q.float().reshape(B, Hkv, G, D), kmin, kmax)
+            bound = descriptor_bound(q, desc_out, nb)
         if quest_mode == QUEST_MODES["all"]:
-            own = ranked_selection(bound, candidate, k_sel, 1, POLICIES["topk"], 0.0, fixed_mass, valid_blk)
-            sparse_blk = blocks_of_index(own, nb) | (sink_blk | local_blk)[:, None, :]
+            own = pick_blocks(bound, fixed_blk[:, None, :], valid_blk, k_sel)
+            sparse_blk = sparse_set(own, fixed_blk, nb)
             is_retrieval = torch.zeros_like(is_retrieval)
             selected = idx_in = own
         else:
-            sparse_blk = sparse_blk | blocks_of_index(
-                select_top_blocks(bound, candidate & ~sparse_blk, quest_blocks), nb)
+            sparse_blk = sparse_blk | blocks_of_index(pick_blocks(bound, sparse_blk, valid_blk, quest_blocks), nb)
     if heat is not None and heat_blocks > 0:
         # EvoSparse: a sparse head also attends its hottest blocks (heat of earlier steps), this layer only.
-        warm = heat[..., :nb] > 0
-        sparse_blk = sparse_blk | blocks_of_index(
-            select_top_blocks(heat[..., :nb], warm & ~sparse_blk & valid_blk[:, None, :], heat_blocks), nb)
+        sparse_blk = sparse_blk | blocks_of_index(heat_picks(heat, sparse_blk, valid_blk, heat_blocks), nb)
     sparse_tok = sparse_blk.repeat_interleave(block_size, dim=-1)[..., :T] & valid[:, None, :]      # [B,Hkv,T]
 
     attend = torch.where(is_retrieval, valid[:, None, :], sparse_tok)                              # [B,Hkv,T]
@@ -145,7 +198,4 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
         return out, idx_out, mass
     if heat is None:
         return out, idx_out
-    # h_t = decay * h_{t-1} + (probabilities this head computed this step, summed over its G query heads, per block)
-    heat_out = heat.clone()
-    heat_out[..., :nb] = heat_decay * heat[..., :nb] + mass
-    return out, idx_out, heat_out
+    return out, idx_out, heat_update(heat, mass, heat_decay)

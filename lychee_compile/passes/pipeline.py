@@ -6,7 +6,8 @@
     canonicalize  peel repeat_kv to [B, Hkv, T, D], mask kind, explicit scale
     classify      layer of each site; global / sliding / prefill
     check         all-or-nothing decision for the graph (strict raises, non-strict leaves it dense)
-    rewrite       global decode sites -> lychee::hybrid_decode
+    rewrite       global decode sites -> lychee::hybrid_decode (heat / Quest: the composites heat_decode_step /
+                  quest_decode_step around lychee::hybrid_decode_mass)
     thread_state  index state from each op to the next
     thread_slots  stack the ops' heat / Quest descriptor slices and write them back in place (when enabled)
 The probe in api.py runs the same list up to `check` (with window-aware classification off).

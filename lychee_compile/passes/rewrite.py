@@ -10,8 +10,11 @@ Per site, inserted right before the original attention output (so after the KV-c
                                          policy, policy_param)
     out   = res[0]                                           # replaces the attention output
     idx   = res[1]                                           # wired to the next layer by `thread_state`
-With heat or Quest bounds on, the op is lychee.hybrid_decode_heat / hybrid_decode_quest instead: it also reads its
-layer's slot of that state (layer_slot(state.heat|quest, slot)) and returns the updated slice as res[2], which
+With heat or Quest bounds on, the node is a composite instead, heat_decode_step (ops/heat.py) / quest_decode_step
+(ops/quest_decode.py): a plain function (same arguments as the eager ops lychee.hybrid_decode_heat /
+hybrid_decode_quest, which it equals) that Inductor's AOTAutograd traces into aten ops around one
+lychee.hybrid_decode_mass / hybrid_decode call, so the attention gets the Triton lowering. It also reads its layer's
+slot of that state (layer_slot(state.heat|quest, slot)) and returns the updated slice as res[2], which
 `thread_slots` writes back.
 Then only the nodes this site matched are erased, and only once they have no users: never a global dead-code
 elimination, which would delete the in-place KV-cache writes (index_copy_/add_ look pure to FX).
@@ -22,7 +25,9 @@ import operator
 
 import torch
 
+from ..ops.heat import heat_decode_step
 from ..ops.hybrid_decode import hybrid_decode_op
+from ..ops.quest_decode import quest_decode_step
 from .canonicalize import VALID_FROM, valid_everywhere
 from .context import PassContext, Site
 from .thread_slots import layer_slot
@@ -68,9 +73,9 @@ def _state_fits(ctx: PassContext, n_global: int) -> bool:
 
 
 def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int):
-    """(the lychee op for one site, the name of the state whose slice it returns as res[2] or None): hybrid_decode,
-    or hybrid_decode_heat / hybrid_decode_quest reading its slot of the heat / Quest descriptor state (the config
-    allows at most one of them)."""
+    """(the lychee node for one site, the name of the state whose slice it returns as res[2] or None): hybrid_decode,
+    or the composite heat_decode_step / quest_decode_step reading its slot of the heat / Quest descriptor state (the
+    config allows at most one of them)."""
     graph, cfg = ctx.gm.graph, ctx.config
     if cfg.attention == "flash_dense":
         return graph.call_function(torch.ops.lychee.dense_decode.default, (site.q, site.kv_k, site.kv_v, valid,
@@ -81,11 +86,11 @@ def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int):
     quest = (cfg.quest_code, cfg.quest_blocks)
     if ctx.heat_input is not None:
         heat = graph.call_function(layer_slot, (ctx.heat_input, slot))
-        return graph.call_function(torch.ops.lychee.hybrid_decode_heat.default,
+        return graph.call_function(heat_decode_step,
                                    args + (heat,) + tail + (float(cfg.heat_decay), cfg.heat_blocks)), "heat"
     if cfg.quest != "off":
         desc = graph.call_function(layer_slot, (ctx.quest_input, slot))
-        op = graph.call_function(torch.ops.lychee.hybrid_decode_quest.default, args + (desc,) + tail + quest)
+        op = graph.call_function(quest_decode_step, args + (desc,) + tail + quest)
         return op, "quest"
     return graph.call_function(hybrid_decode_op(), args + tail + quest), None
 

@@ -15,7 +15,9 @@ import torch
 
 import torch.fx
 
+from ..ops.heat import heat_decode_step
 from ..ops.hybrid_decode import hybrid_decode_op
+from ..ops.quest_decode import quest_decode_step
 from ..ops.state import STATE_NAMES
 from .graph_query import is_op, shape
 
@@ -29,8 +31,8 @@ def _lychee_ops() -> dict:
     import torch
     return {hybrid_decode_op(): ("hybrid_decode", _ARG_NAMES),
             torch.ops.lychee.dense_decode.default: ("dense_decode", ("q", "k", "v", "valid", "scale")),
-            torch.ops.lychee.hybrid_decode_heat.default: ("hybrid_decode_heat", _HEAT_ARG_NAMES),
-            torch.ops.lychee.hybrid_decode_quest.default: ("hybrid_decode_quest", _QUEST_ARG_NAMES)}
+            heat_decode_step: ("heat_decode_step", _HEAT_ARG_NAMES),
+            quest_decode_step: ("quest_decode_step", _QUEST_ARG_NAMES)}
 
 
 def graph_snapshot(gm: torch.fx.GraphModule) -> str:

@@ -48,7 +48,7 @@ def selection_readers(kinds: torch.Tensor, slot: int, streaming_next: tuple) -> 
 
 
 def _mark_readers(ctx: PassContext, op, next_layer) -> None:
-    """Give a hybrid_decode op its `select` input (the heat op keeps selecting for every head)."""
+    """Give a hybrid_decode op its `select` input (the heat / Quest composites keep selecting for every head)."""
     if op.target is not hybrid_decode_op() or ctx.kinds_input is None:
         return
     kinds_node = op.args[KINDS]
