@@ -295,3 +295,35 @@ def test_lowering_compiled_model_with_policy(inductor_triton_on_cpu, monkeypatch
     assert torch.equal(runs["inductor"][0], runs["eager"][0])
     assert (runs["inductor"][1].float() - runs["eager"][1].float()).abs().max().item() < 5e-2
     assert not torch.equal(runs["topk"][1], runs["eager"][1]), "topp must select differently from top-K here"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("feature", ["heat", "quest_sparse", "quest_all"])
+def test_lowering_compiled_model_with_state(inductor_triton_on_cpu, monkeypatch, feature):
+    # issue 7 on the kernel path: with heat or Quest on, every global layer's attention is our templates (the mass
+    # variant where sparse heads read extra blocks), the picks and state updates are Inductor kernels around them,
+    # and nothing falls back to the eager reference; the compiled model equals the eager (reference-op) one
+    from lychee_compile import HeadMap, LycheeConfig, lychee_compile
+    from lychee_compile.lowering import compat, lower
+    from tests.harness import generate_logits
+    from tests.models import make, make_batch
+    from tests.test_sparse_semantics import mixed_map
+    calls = []
+    fallback, select_one = lower._fallback, compat.select_one
+    monkeypatch.setattr(lower, "_fallback", lambda *a: (calls.append("fallback"), fallback(*a))[1])
+    monkeypatch.setattr(compat, "select_one", lambda name, *a: (calls.append(name), select_one(name, *a))[1])
+    extra = {"heat": dict(heat_blocks=2, heat_decay=0.8), "quest_sparse": dict(quest="sparse", quest_blocks=2),
+             "quest_all": dict(quest="all")}[feature]
+    cfg = dict(budget=8, block_size=2, sink_tokens=2, local_tokens=2, **extra)
+    ids, mask = make_batch(lengths=(26, 17))
+    runs = {}
+    for backend in ("eager", "inductor"):
+        model = make("llama", "sdpa").to(torch.bfloat16)
+        lychee_compile(model, HeadMap(mixed_map(model)).with_model_metadata(model),
+                       LycheeConfig(backend=backend, **cfg))
+        runs[backend] = generate_logits(model, ids, mask, 4)
+    n_layers = model.config.num_hidden_layers
+    want = "lychee_hybrid_combine" if feature == "quest_all" else "lychee_hybrid_combine_mass"
+    assert calls.count(want) == n_layers and "fallback" not in calls, calls
+    assert torch.equal(runs["inductor"][0], runs["eager"][0])
+    assert (runs["inductor"][1].float() - runs["eager"][1].float()).abs().max().item() < 5e-2

@@ -55,3 +55,20 @@ def test_compiled_policy_matches_semantics(selection, param):
     reference.config._attn_implementation = semantics_ref.NAME
     ref_seq, ref_logits = generate_logits(reference, ids, mask, 5)
     assert max_logit_diff(logits, ref_logits) < EXACT_TOL and torch.equal(seq, ref_seq)
+
+
+def test_select_top_blocks_equals_the_ranked_top_k():
+    # the topk-over-int64-keys fast path (heat / Quest picks) must pick exactly what the sort-based ranking picks:
+    # ties (to the lower block), negative scores, -0.0 vs +0.0, fewer candidates than k
+    from lychee_compile.ops.policies import POLICIES, ranked_selection, select_top_blocks
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        nb, k = int(torch.randint(1, 40, (), generator=g)), int(torch.randint(1, 10, (), generator=g))
+        score = torch.randint(-3, 4, (2, 3, nb), generator=g).float() * 0.37
+        if trial % 3 == 0:
+            score = torch.randn(2, 3, nb, generator=g)
+        score[..., 0] = -0.0 if trial % 5 == 0 else score[..., 0]
+        cand = torch.rand(2, 3, nb, generator=g) > 0.3
+        unused = torch.zeros(2, 3)
+        want = ranked_selection(score, cand, k, 1, POLICIES["topk"], 0.0, unused, unused)
+        assert torch.equal(select_top_blocks(score, cand, k), want), (trial, score, cand, k)

@@ -86,6 +86,20 @@ def ranked_selection(block_score: torch.Tensor, candidate: torch.Tensor, capacit
 
 
 def select_top_blocks(block_score: torch.Tensor, candidate: torch.Tensor, k: int) -> torch.Tensor:
-    """Plain top-k (the default policy): [..., nb] scores and candidates -> int32 [..., k]."""
-    unused = block_score.new_zeros(block_score.shape[:-1])
-    return ranked_selection(block_score, candidate, k, 1, POLICIES["topk"], 0.0, unused, unused)
+    """Plain top-k (the default policy): [..., nb] scores and candidates -> int32 [..., k], ascending, EMPTY-padded:
+    the k candidates with the largest exact score, ties to the lower block (= ranked_selection's top-k).
+
+    One torch.topk over unique int64 keys (score's order-preserving int32 bits, then the block reversed), not two
+    full sorts: this runs per layer and step inside compiled graphs (heat and Quest picks), over every block."""
+    nb = block_score.shape[-1]
+    bits = (block_score.float() + 0.0).contiguous().view(torch.int32).to(torch.int64)   # + 0.0: -0.0 -> +0.0
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)                # monotone in the float value
+    # low 32 bits: nb - 1 - block (small, so no int32 overflow where a compiler narrows the index arithmetic)
+    rev = nb - 1 - torch.arange(nb, device=block_score.device, dtype=torch.int64)
+    key = ordered * 2**32 + rev                                             # unique; larger = better
+    low = torch.iinfo(torch.int64).min                                      # "not a candidate"
+    key = torch.nn.functional.pad(torch.where(candidate, key, low), (0, k), value=low)   # width >= k, no guard
+    top = torch.topk(key, k, dim=-1).values                                 # [..., k] descending
+    chosen = torch.where(top == low, nb, nb - 1 - (top - torch.div(top, 2**32, rounding_mode="floor") * 2**32))
+    chosen = torch.sort(chosen, dim=-1).values
+    return torch.where(chosen == nb, EMPTY, chosen).to(INDEX_DTYPE)
