@@ -1,4 +1,5 @@
-"""Inductor lowering of `lychee::hybrid_decode` to the two Triton templates of template.py.
+"""Inductor lowering of `lychee::hybrid_decode` (and `lychee::hybrid_decode_mass`, the mass variant heat and Quest
+build on) to the two Triton templates of template.py.
 
 Private Inductor names come only through compat.py. Sizes: B (batch) and T (cache length) stay symbolic (kernel
 arguments; the grids are symbolic in them); Hq, Hkv, D and the index width K are guarded static (they are
