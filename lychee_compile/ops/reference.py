@@ -193,9 +193,7 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
         sparsity.ACTIVE.record(attend, valid, is_retrieval, idx_out, select)
     if quest_desc is not None:
         return out, idx_out, desc_out
-    mass = block_sum(p.sum(dim=2), block_size, nb)                                                 # [B,Hkv,nb]
-    if with_mass:
-        return out, idx_out, mass
-    if heat is None:
+    if heat is None and not with_mass:
         return out, idx_out
-    return out, idx_out, heat_update(heat, mass, heat_decay)
+    mass = block_sum(p.sum(dim=2), block_size, nb)                                                 # [B,Hkv,nb]
+    return (out, idx_out, mass) if with_mass else (out, idx_out, heat_update(heat, mass, heat_decay))
