@@ -51,7 +51,7 @@ logits must be finite and agree, and lychee's decode counter must not move.
 
 Profile (--profile-row ROW --profile-ctx CTX): that row compiled again WITHOUT CUDA graphs, --profile-steps decode
 steps under torch.profiler; kernel time per step grouped by name (lychee split / combine, attention, GEMM, other
-Triton, copies/memset, other) plus the top 15 kernels. On the CPU (dry run) the profiler sees CPU ops only.
+Triton, copies/memset, other) plus the top 30 kernels. On the CPU (dry run) the profiler sees CPU ops only.
 
 Timing: CUDA events around each compiled call (the decode step itself; the host's prepare/update between steps is
 outside), warmup steps first; median, p10 and p90 of the per-step times. `loop_ms` is wall time per step of the
@@ -922,7 +922,7 @@ def run_profile(args, base, results) -> None:
                categories=[dict(category=c, ms_per_step=t / 1e3 / steps, share=t / total)
                            for c, t in sorted(cats.items(), key=lambda kv: -kv[1])],
                top=[dict(name=n, category=kernel_category(n), ms_per_step=t / 1e3 / steps, calls_per_step=k / steps,
-                         share=t / total) for n, t, k in sorted(events, key=lambda x: -x[1])[:15]])
+                         share=t / total) for n, t, k in sorted(events, key=lambda x: -x[1])[:30]])
     results["profile"] = rec
     print(profile_table(rec), flush=True)
     write_json(args, results)

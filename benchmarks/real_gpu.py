@@ -1,5 +1,5 @@
 """The REAL SmolLM2-135M-Instruct on the GPU: measurements for issues 2 (long run), 6 (quality harness), 7 (cache
-evolution: heat, rectification) and 5 (head training), one stage each (benchmarks/real_gpu_stages/).
+evolution: heat, Quest-sparse, rectification) and 5 (head training), one stage each (benchmarks/real_gpu_stages/).
 
     python benchmarks/real_gpu.py --stages long,eval,evolve,train --out DIR/real_gpu.json [--max-seconds 540]
 
@@ -71,10 +71,17 @@ def parse(argv=None):
     g.add_argument("--eval-dtype", default="float32", help="float32 = the CPU results' numerics (reference op)")
     g.add_argument("--eval-backend", default="eager", help="eager: same numbers as inductor, far cheaper to build")
     g = ap.add_argument_group("evolve (issue 7)")
+    g.add_argument("--evolve-parts", default="heat,rectify",
+                   help="heat: heat / Quest-sparse with vs without (repeat, ppl); rectify: rectification on vs off")
     g.add_argument("--evolve-budgets", type=_ints, default="256,512")
     g.add_argument("--heat-blocks", type=int, default=8)
     g.add_argument("--heat-decay", type=float, default=0.9)
-    g.add_argument("--rectify-every", type=int, default=32)
+    g.add_argument("--quest-blocks", type=int, default=8,
+                   help="the lychee+qs<N> rows: sparse heads add their own top N blocks by the Quest bound "
+                        "(0 = no such rows)")
+    g.add_argument("--rectify-every", type=int, default=32, help="the rectified row (the other row is off)")
+    g.add_argument("--rectify-prompts", type=int, default=1,
+                   help="prompts (text windows) of the rectification part; only prompt 0 is timed")
     g.add_argument("--evolve-rect-budget", type=int, default=256)
     g.add_argument("--evolve-new", type=int, default=1024)
     g.add_argument("--evolve-context", type=int, default=2048)
@@ -102,7 +109,18 @@ def parse(argv=None):
     bad = set(args.stages.split(",")) - set(STAGES)
     if bad:
         ap.error(f"unknown stage(s) {sorted(bad)}; choose from {STAGES}")
+    _check_evolve(ap, args)
     return args
+
+
+def _check_evolve(ap, args) -> None:
+    from real_gpu_stages.evolve import PARTS
+    bad = set(args.evolve_parts.split(",")) - set(PARTS)
+    if bad:
+        ap.error(f"unknown --evolve-parts {sorted(bad)}; choose from {PARTS}")
+    for name, low in (("rectify_every", 1), ("rectify_prompts", 1), ("quest_blocks", 0)):
+        if getattr(args, name) < low:
+            ap.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
 
 
 def main(argv=None) -> int:

@@ -327,3 +327,86 @@ def test_lowering_compiled_model_with_state(inductor_triton_on_cpu, monkeypatch,
     assert calls.count(want) == n_layers and "fallback" not in calls, calls
     assert torch.equal(runs["inductor"][0], runs["eager"][0])
     assert (runs["inductor"][1].float() - runs["eager"][1].float()).abs().max().item() < 5e-2
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_small_top_k_picks_are_one_fused_reduction(inductor_triton_on_cpu, dynamic):
+    # heat / Quest picks (select_top_blocks, k <= CHAINED_TOPK_MAX): k chained max-reductions that Inductor fuses
+    # into one reduction kernel, with no extern topk / sort over the blocks (an int64 radix select cost ~36 us per
+    # layer on the H100); equal to the eager picks, also at a symbolic block count
+    from torch._inductor.utils import run_and_get_code
+    from lychee_compile.ops.policies import CHAINED_TOPK_MAX, select_top_blocks
+    k = 8
+    assert k <= CHAINED_TOPK_MAX
+    g = torch.Generator().manual_seed(0)
+    score = torch.randint(-4, 5, (2, 3, 200), generator=g).float() * 0.5        # ties: to the lower block
+    cand = torch.rand(2, 3, 200, generator=g) > 0.2
+    cand[1, 2, 5:] = False                                                     # a row with fewer than k candidates
+    fn = torch.compile(lambda s, c: select_top_blocks(s, c, k), backend="inductor", fullgraph=True, dynamic=dynamic)
+    picks, codes = run_and_get_code(fn, score, cand)
+    assert torch.equal(picks, select_top_blocks(score, cand, k))
+    code = "\n".join(codes)
+    assert "topk" not in code
+    reducing = [kern for kern in code.split("@triton.jit")[1:] if "max2(" in kern]
+    assert len(reducing) == 1 and reducing[0].count("max2(") == k, [kern.count("max2(") for kern in reducing]
+
+
+def _state_launches(code: str, shape: tuple) -> list[list[int]]:
+    """Inductor's call() in `code`: the trailing integer arguments (xnumel first) of every kernel launch that takes
+    the graph input of shape `shape`. Fails if that input appears anywhere else than in its size assert, a launch or
+    a `del` (an extern copy_, a write_state call, a reinterpret_tensor alias: anything that is not a kernel we
+    counted)."""
+    import re
+    call = code.split("def call(")[-1].split("\ndef get_args(")[0]          # not the benchmark harness after it
+    found = re.search(r"assert_size_stride\((\w+), \(" + ", ".join(map(str, shape)) + r"\)", call)
+    assert found, f"no graph input of shape {shape}"
+    name = found.group(1)
+    launches = []
+    for line in call.splitlines():
+        text = line.strip()
+        if (not re.search(rf"\b{name}\b", text) or text.startswith(("#", "assert_size_stride", "del "))
+                or text.endswith("= args")):                          # the arguments' unpacking
+            continue
+        launch = re.search(r"\.run\(.*?((?:, \d+)+), stream=", line)
+        assert launch, f"the state is used outside a kernel launch: {line.strip()}"
+        launches.append([int(n) for n in launch.group(1).split(", ")[1:]])
+    return launches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sparse", "all"])
+def test_quest_state_is_updated_in_place_without_a_copy(inductor_triton_on_cpu, mode):
+    # The composite writes one block per (row, KV head) into `_lychee_quest` in place (ops/quest_decode.py); after
+    # AOTAutograd's functionalization, Inductor's reinplace pass must turn that back into an in-place scatter.
+    # Evidence in the generated code: the state is touched only by kernels, per layer one write of B * Hkv * 2 * D
+    # values and reads; no kernel or launch spans the whole state or one slot (a clone, a view-scatter, a copy_
+    # back); and the state after the steps is the fresh min / max of the cache.
+    from torch._inductor.utils import run_and_get_code
+    from lychee_compile import HeadMap, LycheeConfig, lychee_compile
+    from lychee_compile.api import state_of
+    from tests.models import make, make_batch
+    from tests.test_quest_state import assert_state_is_fresh, cache_valid, run
+    from tests.test_sparse_semantics import mixed_map
+    # block 4: a slot's numel (B * Hkv * NB * 2 * D) is then about half the KV cache's, so no cache-sized kernel
+    # can be mistaken for a slot copy
+    bs, steps = 4, 4
+    quest = dict(quest="sparse", quest_blocks=1) if mode == "sparse" else dict(quest="all")
+    ids, mask = make_batch(lengths=(26, 17))
+    model = make("llama", "sdpa").to(torch.bfloat16)
+    lychee_compile(model, HeadMap(mixed_map(model)).with_model_metadata(model),
+                   LycheeConfig(backend="inductor", budget=8, block_size=bs, sink_tokens=2, local_tokens=2, **quest))
+    (_, cache), codes = run_and_get_code(run, model, ids, mask, steps)
+    state = state_of(model)
+    assert state.counters.decode_calls == steps - 1 and "quest_decode_step" in state.snapshots[0]
+    buf = model._lychee_quest
+    B, Lg, Hkv, NB, _, D = buf.shape
+    whole, slot, block = buf.numel(), buf[:, 0].numel(), B * Hkv * 2 * D
+    codes = [c for c in codes if "def call(" in c and "assert_size_stride" in c]
+    assert codes
+    for code in codes:
+        launches = _state_launches(code, tuple(buf.shape))
+        assert [n[0] for n in launches].count(block) == Lg, launches          # one block write per layer
+        assert not {whole, slot} & {n for args in launches for n in args}, launches
+        assert f"xnumel = {whole}\n" not in code and f"xnumel = {slot}\n" not in code
+        assert "write_state" not in code
+    assert_state_is_fresh(model, state, cache, cache_valid(cache, mask, ids.shape[1] + steps - 1), block_size=bs)

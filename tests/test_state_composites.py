@@ -1,6 +1,7 @@
 """The heat and Quest decode steps as composites (ops/heat.py heat_decode_step, ops/quest_decode.py
 quest_decode_step): equal to the opaque eager ops they replace in rewritten graphs (hybrid_decode_heat /
-hybrid_decode_quest), and traceable by Dynamo + AOTAutograd with a symbolic cache length: one graph for every length."""
+hybrid_decode_quest; Quest's composite updates its descriptors in place, equal to the op's copy on every block holding
+a valid key), and traceable by Dynamo + AOTAutograd with a symbolic cache length: one graph for every length."""
 from __future__ import annotations
 
 import pytest
@@ -42,6 +43,29 @@ def assert_same(got, want) -> None:
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
 
 
+def valid_blocks(valid: torch.Tensor, nb: int) -> torch.Tensor:
+    """bool [B, nb]: blocks holding a valid key (where Quest descriptors are specified, ops/quest.py)."""
+    return torch.nn.functional.pad(valid, (0, nb * BS - valid.shape[1])).unflatten(1, (nb, BS)).any(-1)
+
+
+def assert_quest_same(got, desc_after, want, valid) -> None:
+    """got = the composite's (out, idx_out) with desc_after [B, Hkv, NB, 2, D] its slot after the in-place update;
+    want = the op's (out, idx_out, desc_out): equal outputs, equal descriptors on every block holding a valid key."""
+    assert torch.allclose(got[0], want[0], atol=1e-6, rtol=0) and torch.equal(got[1], want[1])
+    on = valid_blocks(valid, desc_after.shape[2])[:, None, :, None, None].expand_as(desc_after)
+    assert torch.equal(desc_after[on], want[2][on])
+
+
+def previous_step_state(k, valid, slot: int = 1) -> torch.Tensor:
+    """[B, 2, Hkv, NBH, 2, D]: slot `slot` = the previous step's descriptors (the newest key of row 1, at T - 1, not
+    folded in yet); the other slot = arbitrary values that the step must leave alone."""
+    older = valid.clone()
+    older[:, -1] = False
+    desc = block_descriptors(k, older, BS, NBH)
+    other = torch.full_like(desc, 7.0)
+    return torch.stack([desc, other] if slot == 0 else [other, desc], dim=1)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("heat_blocks", [0, 1, 3])
 def test_heat_composite_equals_the_heat_op(seed, heat_blocks):
@@ -60,19 +84,35 @@ def test_heat_composite_equals_the_heat_op(seed, heat_blocks):
 @pytest.mark.parametrize("mode,quest_blocks", [(1, 0), (2, 1), (2, 3)])
 def test_quest_composite_equals_the_quest_op(seed, mode, quest_blocks):
     q, k, v, valid, idx = step_inputs(seed)
-    # the previous step's descriptors: the newest key of each row not folded in yet
-    older = valid.clone()
-    older[:, -1] = False
-    desc = block_descriptors(k, older, BS, NBH)
-    args = (q, k, v, valid, RETRIEVAL, idx, desc, SCALE, BS, SINK, LOCAL, 0, 0.0, mode, quest_blocks)
-    assert_same(quest_decode_step(*args), QUEST_OP(*args))
+    before = previous_step_state(k, valid, slot=1)
+    desc = before[:, 1].clone()
+    tail = (SCALE, BS, SINK, LOCAL, 0, 0.0, mode, quest_blocks)
+    want = QUEST_OP(q, k, v, valid, RETRIEVAL, idx, desc, *tail)
+    assert torch.equal(desc, before[:, 1]), "the opaque op is functional: it must not write its input"
+    state = before.clone()
+    got = quest_decode_step(q, k, v, valid, RETRIEVAL, idx, state, 1, *tail)
+    assert_quest_same(got, state[:, 1], want, valid)
+    # in place, one block per row: the newest key's is fresh, every other block and the other slot are untouched
+    assert torch.equal(state[:, 0], before[:, 0])
+    newest = [int(row.nonzero().max()) // BS for row in valid]                 # row 1: 44 // 4, its new key
+    assert newest == [10, 11]
+    fresh = block_descriptors(k, valid, BS, NBH)
+    for b, blk in enumerate(newest):
+        assert torch.equal(state[b, 1, :, blk], fresh[b, :, blk])
+        others = torch.arange(NBH) != blk
+        assert torch.equal(state[b, 1, :, others], before[b, 1, :, others])
+    assert not torch.equal(state[1, 1, :, 11], before[1, 1, :, 11]), "the new key must change its block, or this " \
+                                                                        "test shows nothing"
 
 
-def test_quest_composite_refuses_quest_off():
+def test_quest_composite_refuses_quest_off_and_a_bad_state():
     q, k, v, valid, idx = step_inputs(0)
+    state = previous_step_state(k, valid)
     with pytest.raises(ValueError, match="quest_mode"):
-        quest_decode_step(q, k, v, valid, RETRIEVAL, idx, block_descriptors(k, valid, BS, NBH), SCALE, BS, SINK,
-                          LOCAL, 0, 0.0, 0, 1)
+        quest_decode_step(q, k, v, valid, RETRIEVAL, idx, state, 1, SCALE, BS, SINK, LOCAL, 0, 0.0, 0, 1)
+    for bad, slot in ((state[:, 1], 0), (state, 2), (state[:, :, :, :11], 1)):
+        with pytest.raises(ValueError, match=r"do not fit keys .* NB >= 12"):
+            quest_decode_step(q, k, v, valid, RETRIEVAL, idx, bad, slot, SCALE, BS, SINK, LOCAL, 0, 0.0, 1, 0)
 
 
 def _heat_step(q, k, v, valid, retrieval, idx, heat):
@@ -80,8 +120,8 @@ def _heat_step(q, k, v, valid, retrieval, idx, heat):
 
 
 def _quest_step(mode):
-    def step(q, k, v, valid, retrieval, idx, desc):
-        return quest_decode_step(q, k, v, valid, retrieval, idx, desc, SCALE, BS, SINK, LOCAL, 0, 0.0, mode, 1)
+    def step(q, k, v, valid, retrieval, idx, state):
+        return quest_decode_step(q, k, v, valid, retrieval, idx, state, 1, SCALE, BS, SINK, LOCAL, 0, 0.0, mode, 1)
     return step
 
 
@@ -94,10 +134,17 @@ def test_composite_traces_once_for_every_cache_length(kind):
     backend_calls = []
     for T in (45, 52, 37):        # a partial last block, a full one, a shorter cache
         q, k, v, valid, idx = step_inputs(T, T=T)
-        state = heat_state(T) if kind == "heat" else block_descriptors(k, valid, BS, NBH)
+        state = heat_state(T) if kind == "heat" else previous_step_state(k, valid)
+        eager_state = state.clone()               # Quest writes its state: each run gets its own
         torch._dynamo.mark_static(state)
-        args = (q, k, v, valid, RETRIEVAL, idx, state)
-        assert_same(compiled(*args), step(*args))
+        args = (q, k, v, valid, RETRIEVAL, idx)
+        got, want = compiled(*args, state), step(*args, eager_state)
+        if kind == "heat":
+            assert_same(got, want)
+        else:   # the compiled step's write reached the caller's buffer (row 1's new key changes its block)
+            assert not torch.equal(state, previous_step_state(k, valid))
+            assert_quest_same(got, state[:, 1], (*want, eager_state[:, 1]), valid)
+            assert torch.equal(state, eager_state)
         backend_calls.append(counter.frame_count)
     # The first length may call the backend twice: the static state's B / Hkv specialize the dynamic ones, and
     # Dynamo restarts that one compile. Later lengths must reuse the graph.

@@ -1,15 +1,29 @@
 """Stage `evolve` (issue 7): with/without comparisons of the cache-evolution features on the real model.
 
-1. heat (LycheeConfig.heat_blocks / heat_decay) on vs off: the harness's repeat test and perplexity-by-decode
-   (paired, same prompts; dense row included).
-2. dense rectification (rectify_every) on vs off, on a greedy generation of --evolve-new tokens after a ~2K-token
-   real-text prompt (Persuasion):
+Parts (--evolve-parts; default both; one part per call when a device time box cannot hold both):
+
+1. `heat`: the harness's repeat test and perplexity-by-decode (paired, same prompts; dense row included) for lychee
+   at each --evolve-budgets budget without and with each feature:
+   - heat (`lychee+heat<N>`: LycheeConfig.heat_blocks / heat_decay);
+   - Quest bounds on the sparse heads (`lychee+qs<N>`: LycheeConfig(quest="sparse", quest_blocks=N), each sparse
+     head adds its own top N blocks by the min/max key bound to the inherited ones; --quest-blocks 0 leaves it out).
+   Besides each part's table against dense, `vs_lychee` holds every feature row against plain lychee at the same
+   budget: perplexity ratio with a bootstrap 95% interval over the prompts (eval/runner.summarize).
+2. `rectify`: dense rectification (rectify_every) on vs off, on greedy generations of --evolve-new tokens after
+   --rectify-prompts different --evolve-context-token windows of Persuasion (prompt 0 is the window of the
+   single-prompt runs). Per prompt (`records`):
+   - the dense model's own greedy generation is the reference;
    - teacher-forced on the DENSE greedy tokens (the fair per-token measure: every step sees the same prefix):
      agreement = argmax equals the dense token; NLL of the dense tokens;
    - free-running greedy generation: tokens equal to dense (prefix and total) and the dense model's perplexity of
      the generated text;
-   - amortized time per token: a warm generate() call's wall time minus a 1-token generate() (≈ the prefill),
-     divided by the new tokens (rectification passes included).
+   - prompt 0 only (GPU time): amortized time per token, a warm generate() call's wall time minus a 1-token
+     generate() (≈ the prefill), divided by the new tokens (rectification passes included). The other prompts
+     generate once.
+   `aggregate` (rewritten after every prompt, over the prompts both variants finished): per variant the mean
+   agreement and the pooled teacher-forced perplexity, and the paired rect - no-rect differences (same prompt) with
+   bootstrap 95% intervals: agreement in points, teacher-forced perplexity ratio. The time box is checked between
+   prompts, so a stopped run keeps every prompt it finished.
 """
 from __future__ import annotations
 
@@ -18,8 +32,12 @@ import time
 
 import torch
 
-from .common import Deadline, load, log, shipped_map, sync
+from lychee_compile.eval import stats
+
+from .common import Deadline, TimeUp, load, log, shipped_map, sync
 from .quality import renamed, run_part, specs_for
+
+PARTS = ("heat", "rectify")
 
 
 def run(args, report, device: str) -> None:
@@ -27,53 +45,147 @@ def run(args, report, device: str) -> None:
     dl = Deadline(args.max_seconds)
     hm, where = shipped_map()
     res.update(head_map=where)
-    model, tok = load(device, args.eval_dtype)
-    _heat(args, model, tok, hm, res, report, dl)
-    del model
-    dl.check("before rectification")
-    _rectify(args, hm, res, report, dl, device)
+    parts = args.evolve_parts.split(",")
+    if "heat" in parts:
+        model, tok = load(device, args.eval_dtype)
+        _heat(args, model, tok, hm, res, report, dl)
+        del model
+    if "rectify" in parts:
+        dl.check("before rectification")
+        _rectify(args, hm, res, report, dl, device)
 
 
 def _heat(args, model, tok, hm, res, report, dl) -> None:
     from lychee_compile.eval.tasks import repeat_items, text_items
-    base = specs_for(model, ["dense", "lychee"], args.evolve_budgets, hm, args.eval_backend)
-    heat = [renamed(s, f"lychee+heat{args.heat_blocks}", heat_blocks=args.heat_blocks, heat_decay=args.heat_decay)
-            for s in base if s.config is not None]
-    res["heat"] = dict(heat_blocks=args.heat_blocks, heat_decay=args.heat_decay, dtype=args.eval_dtype,
-                       backend=args.eval_backend)
+    specs = _heat_specs(args, model, hm)
+    res["heat"] = dict(heat_blocks=args.heat_blocks, heat_decay=args.heat_decay, quest_blocks=args.quest_blocks,
+                       dtype=args.eval_dtype, backend=args.eval_backend)
     for key, task, items in (("heat_repeat2k", "repeat", repeat_items(tok, 2048, args.repeat_prompts,
                                                                          args.score_tokens)),
                              ("heat_ppl2k", "ppl", text_items(tok, 2048, args.ppl_prompts, args.score_tokens))):
         dl.check(f"before {key}")
-        run_part(model, tok, items, base + heat, task, res, report, dl, key)
+        res.pop(key, None)                     # a report filled by an earlier call: no stale rows in vs_lychee
+        try:
+            run_part(model, tok, items, specs, task, res, report, dl, key)
+        finally:                               # also after a time box: the prompts that finished
+            if key in res:
+                res[key]["vs_lychee"] = vs_lychee(res[key])
+                report.save()
+                log(f"{key} vs lychee at the same budget: {res[key]['vs_lychee']}")
+
+
+def _heat_specs(args, model, hm) -> list:
+    """dense, lychee at each budget, and lychee with each feature on at the same budgets."""
+    base = specs_for(model, ["dense", "lychee"], args.evolve_budgets, hm, args.eval_backend)
+    lychee = [s for s in base if s.config is not None]
+    out = base + [renamed(s, f"lychee+heat{args.heat_blocks}", heat_blocks=args.heat_blocks,
+                          heat_decay=args.heat_decay) for s in lychee]
+    if args.quest_blocks:
+        out += [renamed(s, f"lychee+qs{args.quest_blocks}", quest="sparse", quest_blocks=args.quest_blocks)
+                for s in lychee]
+    return out
+
+
+def vs_lychee(part: dict) -> list[dict]:
+    """Each feature row of a run_part result against plain lychee at its budget (paired over the same prompts)."""
+    from lychee_compile.eval.runner import summarize
+    rows = []
+    for v in part["variants"]:
+        if v["method"] in ("dense", "lychee"):
+            continue
+        ref = f"lychee@{v['budget']}"
+        records = [r for r in part["records"] if r["label"] in (ref, v["label"])]
+        row = summarize(dict(records=records, variants=[v]), reference=ref)[0]
+        rows.append(dict(label=v["label"], reference=ref, n=row["n"], ppl=row["ppl"],
+                         ppl_ratio=row.get("ppl_ratio_vs_ref"), ppl_ratio_ci=row.get("ppl_ratio_ci"),
+                         token_hit_rate=row["token_hit_rate"]))
+    return rows
 
 
 def _rectify(args, hm, res, report, dl, device) -> None:
-    """`dense` generates the reference (HF's own generate(), whatever it compiles) and scores perplexity; `base`
-    (never generated with, so never compiled) is what the lychee variants copy and what prefills for scoring."""
+    """`dense` generates the references (HF's own generate(), whatever it compiles) and scores perplexity; `base`
+    (never generated with, so never compiled) is what the lychee variants copy and what prefills for scoring. Each
+    variant is built once and serves every prompt (same prompt length: no recompiles)."""
     from lychee_compile.eval.methods import method_spec
+    from lychee_compile.eval.scoring import Variant
     from lychee_compile.eval.tasks import text_items
     dense, tok = load(device, args.long_dtype)
-    model, _ = load(device, args.long_dtype)
-    n_new = args.evolve_new
-    item = text_items(tok, args.evolve_context, 1, 1)[0]
-    ids = item.input_ids.to(device)
-    out = res["rectify"] = dict(dtype=args.long_dtype, backend=args.backend, prompt_tokens=ids.shape[1],
-                                new_tokens=n_new, budget=args.evolve_rect_budget, every=args.rectify_every,
-                                prompt_start=item.meta["start"])
-    dense_new, dense_t = _greedy(dense, ids, n_new)
-    out["dense"] = dict(ms_per_token_amortized=dense_t, text_first_200_chars=tok.decode(dense_new[:200])[:200],
-                        dense_ppl_of_generated=_dense_ppl(dense, ids, dense_new),
-                        note="HF generate() as-is (static cache; HF's own compile choice)")
-    report.save()
-    log(f"rectify: dense {out['dense']}")
-    for every in (0, args.rectify_every):
-        dl.check(f"before rectify_every={every}")
-        spec = method_spec("lychee", model, args.evolve_rect_budget, hm, backend=args.backend)
-        spec = renamed(spec, f"lychee-rect{every}", rectify_every=every)
-        out[f"rectify_every_{every}"] = _one_variant(model, dense, spec, ids, dense_new, n_new)
-        log(f"rectify: every={every}: {out[f'rectify_every_{every}']}")
+    base, _ = load(device, args.long_dtype)
+    items = text_items(tok, args.evolve_context, args.rectify_prompts, 1)
+    spec = method_spec("lychee", base, args.evolve_rect_budget, hm, backend=args.backend)
+    variants = {f"rectify_every_{every}": Variant.build(base, renamed(spec, f"lychee-rect{every}",
+                                                                      rectify_every=every))
+                for every in (0, args.rectify_every)}
+    starts = [it.meta["start"] for it in items]
+    out = res["rectify"] = dict(dtype=args.long_dtype, backend=args.backend, prompt_tokens=items[0].input_ids.shape[1],
+                                new_tokens=args.evolve_new, budget=args.evolve_rect_budget, every=args.rectify_every,
+                                prompts_asked=len(items), prompt_starts=starts,
+                                overlapping_windows=_overlaps(starts, args.evolve_context), timed_prompt=0,
+                                records=[])
+    try:
+        for i, item in enumerate(items):
+            dl.check(f"before rectify prompt {i}")
+            t0 = time.perf_counter()
+            out["records"].append(_rect_prompt(i, item, dense, base, variants, tok, args.evolve_new, device))
+            out["aggregate"] = rectify_aggregate(out["records"], *variants)
+            report.save()
+            log(f"rectify prompt {i + 1}/{len(items)} ({time.perf_counter() - t0:.0f} s, {dl.left():.0f} s left): "
+                f"{_brief(out['records'][-1], variants)}; aggregate {out['aggregate']}")
+    except TimeUp as exc:
+        out["stopped"] = str(exc)
         report.save()
+        raise
+
+
+def _overlaps(starts: list[int], length: int) -> int:
+    """Pairs of prompt windows that share text (random starts may overlap; overlapping prompts are not independent)."""
+    return sum(abs(a - b) < length for i, a in enumerate(starts) for b in starts[i + 1:])
+
+
+def _brief(record: dict, keys) -> str:
+    return ", ".join(f"{k}: agreement {record[k]['teacher_forced_agreement']:.4f} tf-ppl "
+                     f"{record[k]['teacher_forced_ppl']:.4f} passes {record[k]['rectify_passes_teacher_forced']}"
+                     for k in keys)
+
+
+def _rect_prompt(i, item, dense, base, variants, tok, n_new, device) -> dict:
+    """One prompt: the dense reference generation, then every variant on it. Prompt 0 is also timed."""
+    ids = item.input_ids.to(device)
+    timed = i == 0
+    dense_new, dense_t = _greedy(dense, ids, n_new) if timed else (_generate(dense, ids, n_new)[0], None)
+    rec = dict(index=i, start=item.meta["start"], timed=timed,
+               dense=dict(ms_per_token_amortized=dense_t, text_first_200_chars=tok.decode(dense_new[:200])[:200],
+                          dense_ppl_of_generated=_dense_ppl(dense, ids, dense_new),
+                          note="HF generate() as-is (static cache; HF's own compile choice)"))
+    for key, v in variants.items():
+        rec[key] = _one_variant(base, dense, v, ids, dense_new, n_new, timed)
+    return rec
+
+
+def rectify_aggregate(records: list[dict], off: str, on: str) -> dict:
+    """Over the prompts where both variants finished: per variant the mean teacher-forced agreement, the pooled
+    teacher-forced perplexity (exp of the mean per-token NLL: every prompt scores the same number of tokens) and the
+    mean free-run equal tokens; paired `on` - `off` (same prompt) with bootstrap 95% intervals over prompts:
+    agreement difference in points and teacher-forced perplexity ratio."""
+    done = [r for r in records if off in r and on in r]
+    per = {k: dict(teacher_forced_agreement=stats.mean(r[k]["teacher_forced_agreement"] for r in done),
+                   teacher_forced_ppl=stats.ppl_of([r[k]["teacher_forced_nll"] for r in done]),
+                   free_run_equal_prefix=stats.mean(r[k]["free_run_equal_prefix"] for r in done),
+                   free_run_equal_total=stats.mean(r[k]["free_run_equal_total"] for r in done))
+           for k in (off, on)}
+    pairs = [(r[on], r[off]) for r in done]
+
+    def agreement_points(ps):
+        return 100 * stats.mean(a["teacher_forced_agreement"] - b["teacher_forced_agreement"] for a, b in ps)
+
+    def nll_diff(ps):
+        return stats.mean(a["teacher_forced_nll"] - b["teacher_forced_nll"] for a, b in ps)
+
+    paired = dict(of=f"{on} vs {off}", agreement_diff_points=agreement_points(pairs),
+                  agreement_diff_ci=stats.bootstrap(pairs, agreement_points),
+                  teacher_forced_ppl_ratio=math.exp(nll_diff(pairs)),
+                  teacher_forced_ppl_ratio_ci=tuple(math.exp(x) for x in stats.bootstrap(pairs, nll_diff)))
+    return dict(prompts=len(done), variants=per, paired=paired)
 
 
 class _CountReencodes:
@@ -95,11 +207,12 @@ class _CountReencodes:
         Rectifier._reencode = self._orig
 
 
-def _one_variant(base, dense, spec, ids, dense_new, n_new) -> dict:
-    from lychee_compile.eval.scoring import Prefill, Variant, dense_prefill, score_steps
-    v = Variant.build(base, spec)
+def _one_variant(base, dense, v, ids, dense_new, n_new, timed) -> dict:
+    """`v`'s free run and teacher-forced scores on one prompt. Graph counters are the variant's, cumulative over the
+    prompts so far (equal-length prompts: they should not grow after prompt 0)."""
+    from lychee_compile.eval.scoring import dense_prefill, score_steps
     with _CountReencodes() as gen_passes:
-        new, ms = _greedy(v.model, ids, n_new)
+        new, ms = _greedy(v.model, ids, n_new) if timed else (_generate(v.model, ids, n_new)[0], None)
     c = v.counters()
     gen_graphs = dict(decode_graphs=c.decode_graphs, graphs=c.graphs, graphs_left_dense=c.graphs_left_dense)
     pre = dense_prefill(base, ids, ids.shape[1] + n_new)        # the cache size generate() uses
@@ -116,22 +229,25 @@ def _one_variant(base, dense, spec, ids, dense_new, n_new) -> dict:
                 ms_per_token_amortized=ms, decode_graphs=c.decode_graphs, graphs=c.graphs,
                 graphs_left_dense=c.graphs_left_dense, after_generate=gen_graphs,
                 rectify_passes_generate=gen_passes.n, rectify_passes_teacher_forced=tf_passes.n,
-                generate_calls_new_tokens=[n_new, 1, n_new])
+                generate_calls_new_tokens=[n_new, 1, n_new] if timed else [n_new])
+
+
+def _generate(model, ids, n):
+    """(greedy new token ids, wall seconds) of one generate() call of exactly n new tokens."""
+    sync()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, cache_implementation="static")
+    sync()
+    return seq[0, ids.shape[1]:].tolist(), time.perf_counter() - t0
 
 
 def _greedy(model, ids, n_new):
     """(new token ids, amortized ms per new token of a warm call, prefill subtracted)."""
-    def gen(n):
-        sync()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, cache_implementation="static")
-        sync()
-        return seq[0, ids.shape[1]:].tolist(), time.perf_counter() - t0
-    new, _ = gen(n_new)                       # compiles
-    _, t_prefill = gen(1)
-    again, t_all = gen(n_new)
+    new, _ = _generate(model, ids, n_new)                       # compiles
+    _, t_prefill = _generate(model, ids, 1)
+    again, t_all = _generate(model, ids, n_new)
     if again != new:
         raise AssertionError("two identical greedy generate() calls gave different tokens")
     return new, (t_all - t_prefill) / (n_new - 1) * 1e3

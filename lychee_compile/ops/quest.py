@@ -26,10 +26,14 @@ State layout (one buffer per compiled model, the non-persistent buffer `_lychee_
         Size: 2 * D values per (block, layer, KV head) against 2 * block_size * D for K and V: 1 / block_size of
         the KV cache at the same capacity (6.25% at block_size 16).
 Maintenance (state_buffers.py, rectify.py): every eager forward that carries a cache (the prefill, and each
-rectification's dense re-encode) recomputes every block from the cache after it returns; a compiled decode step
-appends one key per row and recomputes that key's block only (update_descriptors). Blocks without a valid key are
-reset to +inf / -inf on every step, so the buffer never describes keys the mask does not allow (a cache reused
-from a longer sequence, say).
+rectification's dense re-encode) recomputes every block from the cache after it returns (+inf / -inf where a block
+has no valid key); a compiled decode step appends one key per row and recomputes that key's block only, in place in
+the state (fold_newest_key_: one block per row, layer and KV head written, nothing copied).
+Invariant: every block holding a valid key describes exactly its valid keys. Blocks without a valid key are
+unspecified (normally +inf / -inf from the last rebuild, but a decode step on a cache whose mask lost positions --
+a cache reused from a longer sequence, say -- leaves the old values there); nothing reads them, because every
+pick is restricted to valid blocks (reference.pick_blocks / block_masks' valid_blk), and a block that gains a
+valid key is the newest key's block, recomputed from scratch in that step.
 """
 from __future__ import annotations
 
@@ -60,39 +64,39 @@ def block_descriptors(k: torch.Tensor, valid: torch.Tensor, block_size: int, num
     return torch.stack(block_min_max(k, valid, block_size, num_blocks), dim=3).to(descriptor_dtype(k.dtype))
 
 
-def update_descriptors(desc: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
-    """One decode step: desc [B, H, NB, 2, D] from the previous step -> an updated copy.
+def fold_newest_key_(state: torch.Tensor, slot: int, k: torch.Tensor, valid: torch.Tensor, block_size: int) -> None:
+    """One decode step of one layer, IN PLACE: in state [B, Lg, H, NB, 2, D] (the previous step's), slot `slot`'s
+    block of each row's newest valid key, (hi - 1) // block_size, is recomputed from k [B, H, T, D] (block_size
+    keys); nothing else is written. A row with no valid key writes +inf / -inf into its block 0, which holds no valid
+    key then (unspecified blocks: module docstring).
 
-    Only the block of each row's newest valid key, (hi - 1) // block_size, is recomputed from k (block_size keys);
-    the other blocks with valid keys keep their descriptor (their keys and validity did not change: a decode step
-    appends one key), and blocks with no valid key get +inf / -inf. Blocks past the cache (>= ceil(T / block_size))
-    are left as they are.
+    The write is one index_put_ on the state itself, not on a view of its slot: functionalized, an in-place write
+    through a view of a graph input becomes view-scatters of the whole slot that Inductor's reinplace pass leaves
+    as copies (a slot copy per layer and a whole-state copy back per step); a write to the input itself is an
+    index_put chain ending in a copy_ into that input, which it turns back into an in-place scatter of these
+    B * H * 2 * D values.
     """
     B, H, T, D = k.shape
     nb = -(-T // block_size)
-    if desc.dim() != 5 or tuple(desc.shape[:2]) != (B, H) or desc.shape[2] < nb or tuple(desc.shape[3:]) != (2, D):
-        raise ValueError(f"Quest descriptors of shape {tuple(desc.shape)} do not fit keys {tuple(k.shape)}: expected "
-                         f"[{B}, {H}, NB >= {nb}, 2, {D}] (NB blocks of {block_size} must cover the cache).")
-    pos = torch.arange(T, device=k.device)
+    if (state.dim() != 6 or state.shape[0] != B or not 0 <= slot < state.shape[1] or state.shape[2] != H
+            or state.shape[3] < nb or tuple(state.shape[4:]) != (2, D)):
+        raise ValueError(f"Quest descriptors of shape {tuple(state.shape)} (slot {slot}) do not fit keys "
+                         f"{tuple(k.shape)}: expected [{B}, Lg > {slot}, {H}, NB >= {nb}, 2, {D}] (NB blocks of "
+                         f"{block_size} must cover the cache).")
+    dev = k.device
+    pos = torch.arange(T, device=dev)
     newest = torch.where(valid, pos, -1).amax(-1)                                  # [B]; -1: no valid key
     blk = newest.clamp_min(0) // block_size                                        # [B]
-    tok = blk[:, None] * block_size + torch.arange(block_size, device=k.device)    # [B, bs] the block's positions
+    tok = blk[:, None] * block_size + torch.arange(block_size, device=dev)         # [B, bs] the block's positions
     inside = tok < T                                                               # the last block may be short
     tok = tok.clamp(max=T - 1)
     ok = (torch.gather(valid, 1, tok) & inside)[:, None, :, None]                  # [B, 1, bs, 1]
     keys = torch.gather(k, 2, tok[:, None, :, None].expand(B, H, block_size, D)).float()
-    inf = torch.tensor(float("inf"), device=k.device)
+    inf = torch.tensor(float("inf"), device=dev)
     fresh = torch.stack([torch.where(ok, keys, inf).amin(2), torch.where(ok, keys, -inf).amax(2)], 2)  # [B,H,2,D]
-    out = desc.clone()
-    rows = torch.arange(B, device=k.device)
-    out[rows, :, blk] = torch.where((newest >= 0)[:, None, None, None], fresh.to(desc.dtype), out[rows, :, blk])
-    pad = nb * block_size - T
-    has_key = torch.nn.functional.pad(valid, (0, pad), value=False).unflatten(-1, (nb, block_size)).any(-1)
-    # Full width (blocks past the cache count as keeping theirs), not out[:, :, :nb]: at a symbolic nb (DynamicCache)
-    # that view of the static-size state guards nb != NB, a recompile at the buffer's last block.
-    keep = torch.nn.functional.pad(has_key, (0, desc.shape[2] - nb), value=True)  # [B, NB]
-    empty = torch.stack([inf, -inf]).to(desc.dtype)[:, None]                       # [2, 1]
-    return torch.where(keep[:, None, :, None, None], out, empty)
+    where = (torch.arange(B, device=dev)[:, None], torch.full((1, 1), slot, dtype=torch.long, device=dev),
+             torch.arange(H, device=dev)[None, :], blk[:, None])                   # each broadcasts to [B, H]
+    state.index_put_(where, fresh.to(state.dtype))
 
 
 def quest_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,8 @@ Names and shapes (one global layer, decode step, query length 1):
     mass     fp32 [B, Hkv, nb] (with_mass=True)   probability mass the head put on each block this step, summed
              over its G query heads (0 where it attended nothing): the heat update's input
     quest_desc  [B, Hkv, NB, 2, D] or None   Quest descriptors of the previous step (ops/quest.py); given, the
-             bound uses them after updating the newest key's block, and the updated copy is returned
+             bound uses them after updating the newest key's block, and the updated copy is returned (the input is
+             not written: the composite quest_decode_step is the in-place form)
 All scores and probabilities are fp32; a retrieval head's top-k ranks block scores at 12 significant bits
 (policies.RANK_DROP_BITS: closer scores are ties, to the lower block).
 """
@@ -27,7 +28,7 @@ import torch
 
 from . import sparsity
 from .index_state import EMPTY, INDEX_DTYPE
-from .quest import QUEST_MODES, block_min_max, quest_bound, update_descriptors
+from .quest import QUEST_MODES, block_min_max, fold_newest_key_, quest_bound
 from .policies import POLICIES, rank_score, ranked_selection, select_top_blocks
 
 
@@ -169,7 +170,8 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
         if quest_desc is None:       # stateless: the definition, min / max over the whole cache
             bound = quest_bound(grouped_queries(q, Hkv), *block_min_max(k, valid, block_size, nb))
         else:                        # incremental: the state, with this step's key folded in (the same values)
-            desc_out = update_descriptors(quest_desc, k, valid, block_size)
+            desc_out = quest_desc.clone()        # the functional form: the caller's state is left as it was
+            fold_newest_key_(desc_out[:, None], 0, k, valid, block_size)          # a one-slot view of the copy
             bound = descriptor_bound(q, desc_out, nb)
         if quest_mode == QUEST_MODES["all"]:
             own = pick_blocks(bound, fixed_blk[:, None, :], valid_blk, k_sel)

@@ -15,7 +15,8 @@ address for the model's life, as CUDA graphs need (marked static for Dynamo):
     bind_state(state, name)   no-op marker the wrapped forward calls on each buffer; it makes Dynamo lift the buffer
                               into the graph as an input. The `bind_state` pass records the input under `name`
                               (one of STATE_NAMES) and erases the marker.
-    write_state(state, value) state <- value in place; the last node of a graph that updates a state (heat, quest).
+    write_state(state, value) state <- value in place; the last node of a graph that updates the heat state (Quest
+                              descriptors are written in place by their op instead: ops/quest_decode.py).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def _(state, name):
 
 @torch.library.custom_op("lychee::write_state", mutates_args=("state",))
 def write_state(state: torch.Tensor, value: torch.Tensor) -> None:
-    """state <- value, in place (the end of the decode graph's functional heat / quest chain)."""
+    """state <- value, in place (the end of the decode graph's functional heat chain)."""
     state.copy_(value)
 
 

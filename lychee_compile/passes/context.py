@@ -45,7 +45,8 @@ class Site:
     kind: str | None = None
     refusal: str | None = None
     op_node: torch.fx.Node | None = None   # the lychee op that replaced it (rewrite pass)
-    # the op's updated per-layer state slices by state name ("heat" / "quest"), written back by `thread_slots`
+    # the op's updated per-layer state slices by state name ("heat"), written back by `thread_slots` (Quest's op
+    # writes its slot in place and returns none)
     state_out: dict[str, torch.fx.Node] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:

@@ -9,7 +9,8 @@
     rewrite       global decode sites -> lychee::hybrid_decode (heat / Quest: the composites heat_decode_step /
                   quest_decode_step around lychee::hybrid_decode_mass)
     thread_state  index state from each op to the next
-    thread_slots  stack the ops' heat / Quest descriptor slices and write them back in place (when enabled)
+    thread_slots  stack the ops' heat slices and write them back in place (heat on; Quest's ops write their
+                  descriptor slots in place themselves)
 The probe in api.py runs the same list up to `check` (with window-aware classification off).
 """
 from __future__ import annotations

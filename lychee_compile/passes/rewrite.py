@@ -11,11 +11,12 @@ Per site, inserted right before the original attention output (so after the KV-c
     out   = res[0]                                           # replaces the attention output
     idx   = res[1]                                           # wired to the next layer by `thread_state`
 With heat or Quest bounds on, the node is a composite instead, heat_decode_step (ops/heat.py) / quest_decode_step
-(ops/quest_decode.py): a plain function (same arguments as the eager ops lychee.hybrid_decode_heat /
-hybrid_decode_quest, which it equals) that Inductor's AOTAutograd traces into aten ops around one
-lychee.hybrid_decode_mass / hybrid_decode call, so the attention gets the Triton lowering. It also reads its layer's
-slot of that state (layer_slot(state.heat|quest, slot)) and returns the updated slice as res[2], which
-`thread_slots` writes back.
+(ops/quest_decode.py): a plain function equal to the eager op lychee.hybrid_decode_heat / hybrid_decode_quest, that
+Inductor's AOTAutograd traces into aten ops around one lychee.hybrid_decode_mass / hybrid_decode call, so the
+attention gets the Triton lowering. It also carries its layer's slot of that state: heat reads
+layer_slot(state.heat, slot) and returns the updated slice as res[2], which `thread_slots` writes back; Quest takes
+the whole descriptor buffer and the slot index (where the op takes one slot) and writes the one block per row that
+changed into the buffer in place.
 Then only the nodes this site matched are erased, and only once they have no users: never a global dead-code
 elimination, which would delete the in-place KV-cache writes (index_copy_/add_ look pure to FX).
 """
@@ -74,8 +75,8 @@ def _state_fits(ctx: PassContext, n_global: int) -> bool:
 
 def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int):
     """(the lychee node for one site, the name of the state whose slice it returns as res[2] or None): hybrid_decode,
-    or the composite heat_decode_step / quest_decode_step reading its slot of the heat / Quest descriptor state (the
-    config allows at most one of them)."""
+    or the composite heat_decode_step (reads its heat slot, returns the new one) / quest_decode_step (updates its
+    Quest descriptor slot in place, returns none) (the config allows at most one of them)."""
     graph, cfg = ctx.gm.graph, ctx.config
     if cfg.attention == "flash_dense":
         return graph.call_function(torch.ops.lychee.dense_decode.default, (site.q, site.kv_k, site.kv_v, valid,
@@ -88,10 +89,8 @@ def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int):
         heat = graph.call_function(layer_slot, (ctx.heat_input, slot))
         return graph.call_function(heat_decode_step,
                                    args + (heat,) + tail + (float(cfg.heat_decay), cfg.heat_blocks)), "heat"
-    if cfg.quest != "off":
-        desc = graph.call_function(layer_slot, (ctx.quest_input, slot))
-        op = graph.call_function(quest_decode_step, args + (desc,) + tail + quest)
-        return op, "quest"
+    if cfg.quest != "off":      # the whole buffer and the slot: the op writes one block per row into it
+        return graph.call_function(quest_decode_step, args + (ctx.quest_input, slot) + tail + quest), None
     return graph.call_function(hybrid_decode_op(), args + tail + quest), None
 
 

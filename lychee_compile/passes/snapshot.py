@@ -23,7 +23,7 @@ from .graph_query import is_op, shape
 
 _ARG_NAMES = ("q", "k", "v", "valid", "kinds", "idx_in", "scale", "block", "sink", "local", "policy", "param")
 _HEAT_ARG_NAMES = _ARG_NAMES[:6] + ("heat",) + _ARG_NAMES[6:] + ("decay", "heat_blocks")
-_QUEST_ARG_NAMES = _ARG_NAMES[:6] + ("desc",) + _ARG_NAMES[6:] + ("quest", "quest_blocks")
+_QUEST_ARG_NAMES = _ARG_NAMES[:6] + ("state", "slot") + _ARG_NAMES[6:] + ("quest", "quest_blocks")
 _ARG_NAMES = _ARG_NAMES + ("quest", "quest_blocks", "select")
 
 

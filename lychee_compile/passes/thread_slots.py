@@ -1,10 +1,12 @@
-"""Pass `thread_slots`: close the chains of the per-layer cross-step states of a decode graph (heat, Quest
-descriptors; each only when enabled).
+"""Pass `thread_slots`: close the chains of the per-layer cross-step states of a decode graph that are threaded
+functionally (SLOT_STATES: heat, when enabled).
 
 Each rewritten op read state[:, i] (its global-layer slot, `layer_slot`) and returned an updated slice; here, per
 state, the slices are stacked back in slot order and written into the state buffer in place with
 lychee::write_state -- the only mutation, at the end of the graph, so every earlier use reads the previous step's
-values. Layouts: lychee_compile/ops/heat.py, lychee_compile/ops/quest.py.
+values. Heat is threaded that way because its update rewrites every block anyway. The Quest descriptors are not:
+a decode step changes one block per (row, layer, KV head), so quest_decode_step writes that block into the buffer
+in place (ops/quest_decode.py) and nothing is left to close here. Layouts: lychee_compile/ops/heat.py, ops/quest.py.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 
 from .context import PassContext
 
-SLOT_STATES = ("heat", "quest")     # states with one slot per global layer (dim 1), updated by the ops
+SLOT_STATES = ("heat",)     # functionally threaded states, one slot per global layer (dim 1)
 
 
 def layer_slot(state: torch.Tensor, slot: int) -> torch.Tensor:

@@ -1,0 +1,106 @@
+"""benchmarks/real_gpu.py stage `evolve` (issue 7): its options, the heat / Quest-sparse variants it builds, and its
+paired aggregations on synthetic records. No real model, fast."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+
+from tests.models import make
+from tests.test_eval_harness import _given
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """(real_gpu, real_gpu_stages.evolve), imported the way the script imports them (benchmarks/ on sys.path)."""
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import real_gpu
+        from real_gpu_stages import evolve
+    finally:
+        sys.path.remove(BENCHMARKS)
+    return real_gpu, evolve
+
+
+def _parse(real_gpu, *extra):
+    return real_gpu.parse(["--stages", "evolve", "--out", "x.json", *extra])
+
+
+def test_new_options_parse_and_default_to_todays_run(bench):
+    real_gpu, _ = bench
+    args = _parse(real_gpu)
+    assert (args.quest_blocks, args.rectify_prompts, args.evolve_parts) == (8, 1, "heat,rectify")
+    args = _parse(real_gpu, "--quest-blocks", "4", "--rectify-prompts", "6", "--evolve-parts", "rectify")
+    assert (args.quest_blocks, args.rectify_prompts, args.evolve_parts) == (4, 6, "rectify")
+    for bad in (["--rectify-prompts", "0"], ["--quest-blocks", "-1"], ["--rectify-every", "0"],
+                ["--evolve-parts", "heat,rectfy"]):
+        with pytest.raises(SystemExit):
+            _parse(real_gpu, *bad)
+
+
+def test_heat_part_builds_heat_and_quest_sparse_rows(bench):
+    real_gpu, evolve = bench
+    model = make("llama")
+    args = _parse(real_gpu, "--evolve-budgets", "128", "--heat-blocks", "2", "--quest-blocks", "3")
+    specs = evolve._heat_specs(args, model, _given(model))
+    assert [s.label for s in specs] == ["dense", "lychee@128", "lychee+heat2@128", "lychee+qs3@128"]
+    lychee, heat, qs = (s.config for s in specs[1:])
+    assert (heat.heat_blocks, heat.quest) == (2, "off") and (qs.heat_blocks, qs.quest, qs.quest_blocks) == (0, "sparse", 3)
+    assert heat.budget == qs.budget == lychee.budget and specs[3].head_map is specs[1].head_map
+    args = _parse(real_gpu, "--evolve-budgets", "128", "--quest-blocks", "0")
+    assert [s.label for s in evolve._heat_specs(args, model, _given(model))][-1] == "lychee+heat8@128"
+
+
+def test_vs_lychee_pairs_each_feature_row_with_lychee_at_its_budget(bench):
+    _, evolve = bench
+    variants = [dict(label=lbl, method=m, budget=b) for lbl, m, b in
+                (("dense", "dense", None), ("lychee@256", "lychee", 256), ("lychee@512", "lychee", 512),
+                 ("lychee+heat8@256", "lychee+heat8", 256))]
+    nll = {"dense": 0.5, "lychee@256": 1.0, "lychee@512": 0.7, "lychee+heat8@256": 0.9}
+    # the heat row's prompts are 0.1 nat better than lychee@256's on every prompt (prompt difficulty varies)
+    records = [dict(item=i, label=lbl, nll=v + 0.05 * i, all_hit=False, hit_rate=0.5) for i in range(4)
+               for lbl, v in nll.items()]
+    rows = evolve.vs_lychee(dict(variants=variants, records=records))
+    assert [(r["label"], r["reference"], r["n"]) for r in rows] == [("lychee+heat8@256", "lychee@256", 4)]
+    assert rows[0]["ppl_ratio"] == pytest.approx(math.exp(-0.1))
+    assert rows[0]["ppl_ratio_ci"] == pytest.approx((math.exp(-0.1),) * 2)
+
+
+def _rect(agreement, nll, prefix=10):
+    return dict(teacher_forced_agreement=agreement, teacher_forced_nll=nll, free_run_equal_prefix=prefix,
+                free_run_equal_total=2 * prefix)
+
+
+def test_rectify_aggregate_identical_variants_give_no_difference(bench):
+    _, evolve = bench
+    records = [dict(index=i, off=_rect(0.9 + 0.01 * i, 0.1 * i), on=_rect(0.9 + 0.01 * i, 0.1 * i)) for i in range(5)]
+    agg = evolve.rectify_aggregate(records, "off", "on")
+    p = agg["paired"]
+    assert agg["prompts"] == 5
+    assert p["agreement_diff_points"] == 0 and tuple(p["agreement_diff_ci"]) == (0, 0)
+    assert p["teacher_forced_ppl_ratio"] == 1 and tuple(p["teacher_forced_ppl_ratio_ci"]) == (1, 1)
+    assert agg["variants"]["on"] == agg["variants"]["off"]
+
+
+def test_rectify_aggregate_finds_a_known_shift_and_skips_unfinished_prompts(bench):
+    _, evolve = bench
+    off = [_rect(0.99 - 0.02 * i, 0.1 + 0.05 * i) for i in range(6)]
+    # rectified: NLL + 0.2 on every prompt; agreement 1.5 points lower, except on prompt 0 (1.0 lower)
+    on = [_rect(a["teacher_forced_agreement"] - 0.015 + (0.005 if i == 0 else 0), a["teacher_forced_nll"] + 0.2)
+          for i, a in enumerate(off)]
+    records = [dict(index=i, off=o, on=n) for i, (o, n) in enumerate(zip(off, on))]
+    records.append(dict(index=6, off=_rect(0.0, 9.0)))          # the time box stopped it before `on`
+    agg = evolve.rectify_aggregate(records, "off", "on")
+    p = agg["paired"]
+    assert agg["prompts"] == 6
+    assert p["agreement_diff_points"] == pytest.approx(-1.5 + 0.5 / 6)
+    lo, hi = p["agreement_diff_ci"]
+    assert -1.5 - 1e-9 <= lo <= p["agreement_diff_points"] <= hi <= -1.0 + 1e-9
+    assert p["teacher_forced_ppl_ratio"] == pytest.approx(math.exp(0.2))
+    assert p["teacher_forced_ppl_ratio_ci"] == pytest.approx((math.exp(0.2),) * 2)
+    assert agg["variants"]["off"]["teacher_forced_ppl"] == pytest.approx(math.exp(0.1 + 0.05 * 2.5))
+    assert agg["variants"]["off"]["teacher_forced_agreement"] == pytest.approx(0.99 - 0.02 * 2.5)
