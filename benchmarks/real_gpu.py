@@ -74,6 +74,9 @@ def parse(argv=None):
     g.add_argument("--evolve-parts", default="heat,rectify",
                    help="heat: heat / Quest-sparse with vs without (repeat, ppl); rectify: rectification on vs off")
     g.add_argument("--evolve-budgets", type=_ints, default="256,512")
+    g.add_argument("--evolve-controls", type=_ints, default="",
+                   help="extra budgets run as plain lychee only (no feature rows): the equal-attended controls, "
+                        "e.g. 384 = 256 + 8 blocks of 16 for lychee+heat8@256 (see vs_lychee)")
     g.add_argument("--heat-blocks", type=int, default=8)
     g.add_argument("--heat-decay", type=float, default=0.9)
     g.add_argument("--quest-blocks", type=int, default=8,
@@ -96,7 +99,7 @@ def parse(argv=None):
     g.add_argument("--train-prompt-tokens", type=int, default=2000)
     g.add_argument("--train-compare-prompts", type=int, default=100)
     args = ap.parse_args(argv)
-    for name in ("budgets", "budgets_4k", "evolve_budgets"):
+    for name in ("budgets", "budgets_4k", "evolve_budgets", "evolve_controls"):
         if isinstance(getattr(args, name), str):
             setattr(args, name, _ints(getattr(args, name)))
     if isinstance(args.methods, str):
@@ -121,6 +124,10 @@ def _check_evolve(ap, args) -> None:
     for name, low in (("rectify_every", 1), ("rectify_prompts", 1), ("quest_blocks", 0)):
         if getattr(args, name) < low:
             ap.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    overlap = sorted(set(args.evolve_controls) & set(args.evolve_budgets))
+    if overlap or any(b <= 0 for b in args.evolve_controls):
+        ap.error(f"--evolve-controls must be positive budgets not already in --evolve-budgets, got "
+                 f"{args.evolve_controls} (overlap {overlap})")
 
 
 def main(argv=None) -> int:

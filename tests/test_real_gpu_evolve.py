@@ -70,6 +70,36 @@ def test_vs_lychee_pairs_each_feature_row_with_lychee_at_its_budget(bench):
     assert rows[0]["ppl_ratio_ci"] == pytest.approx((math.exp(-0.1),) * 2)
 
 
+def test_controls_add_plain_lychee_rows_and_are_checked(bench):
+    real_gpu, evolve = bench
+    model = make("llama")
+    args = _parse(real_gpu, "--evolve-budgets", "128", "--evolve-controls", "160", "--heat-blocks", "2",
+                  "--quest-blocks", "2")
+    specs = evolve._heat_specs(args, model, _given(model))
+    assert [s.label for s in specs] == ["dense", "lychee@128", "lychee@160", "lychee+heat2@128", "lychee+qs2@128"]
+    assert (specs[2].config.budget, specs[2].config.heat_blocks, specs[2].config.quest) == (160, 0, "off")
+    assert evolve._extra_tokens(args, specs) == {"lychee+heat2": 32, "lychee+qs2": 32}
+    for bad in (["--evolve-controls", "128"], ["--evolve-controls", "0"]):   # a budget twice, or a nonsense one
+        with pytest.raises(SystemExit):
+            _parse(real_gpu, "--evolve-budgets", "128", *bad)
+
+
+def test_vs_lychee_adds_the_equal_attended_control_where_it_ran(bench):
+    _, evolve = bench
+    variants = [dict(label=lbl, method=m, budget=b) for lbl, m, b in
+                (("lychee@256", "lychee", 256), ("lychee@384", "lychee", 384),
+                 ("lychee+heat8@256", "lychee+heat8", 256), ("lychee+qs8@256", "lychee+qs4", 256))]
+    nll = {"lychee@256": 1.0, "lychee@384": 0.8, "lychee+heat8@256": 0.9, "lychee+qs8@256": 0.95}
+    records = [dict(item=i, label=lbl, nll=v + 0.05 * i, all_hit=False, hit_rate=0.5) for i in range(3)
+               for lbl, v in nll.items()]
+    # qs4's 64 extra tokens would need lychee@320, which did not run: only its same-budget row
+    rows = evolve.vs_lychee(dict(variants=variants, records=records), {"lychee+heat8": 128, "lychee+qs4": 64})
+    assert [(r["label"], r["reference"], r["comparison"]) for r in rows] == [
+        ("lychee+heat8@256", "lychee@256", "same budget"), ("lychee+heat8@256", "lychee@384", "equal attended"),
+        ("lychee+qs8@256", "lychee@256", "same budget")]
+    assert rows[1]["ppl_ratio"] == pytest.approx(math.exp(0.1))     # heat loses to the control by 0.1 nat
+
+
 def _rect(agreement, nll, prefix=10):
     return dict(teacher_forced_agreement=agreement, teacher_forced_nll=nll, free_run_equal_prefix=prefix,
                 free_run_equal_total=2 * prefix)

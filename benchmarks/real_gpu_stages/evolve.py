@@ -8,7 +8,11 @@ Parts (--evolve-parts; default both; one part per call when a device time box ca
    - Quest bounds on the sparse heads (`lychee+qs<N>`: LycheeConfig(quest="sparse", quest_blocks=N), each sparse
      head adds its own top N blocks by the min/max key bound to the inherited ones; --quest-blocks 0 leaves it out).
    Besides each part's table against dense, `vs_lychee` holds every feature row against plain lychee at the same
-   budget: perplexity ratio with a bootstrap 95% interval over the prompts (eval/runner.summarize).
+   budget: perplexity ratio with a bootstrap 95% interval over the prompts (eval/runner.summarize). A feature row
+   attends up to N blocks more than its budget, so a better perplexity at the same budget can be the extra tokens
+   alone: --evolve-controls adds plain lychee rows at other budgets, and a feature row at budget b is also paired
+   with lychee at b + N * block_size where that row ran (`comparison` = "equal attended"; the feature's N blocks
+   may overlap the inherited ones, so the control attends at least as much as the feature row).
 2. `rectify`: dense rectification (rectify_every) on vs off, on greedy generations of --evolve-new tokens after
    --rectify-prompts different --evolve-context-token windows of Persuasion (prompt 0 is the window of the
    single-prompt runs). Per prompt (`records`):
@@ -69,16 +73,18 @@ def _heat(args, model, tok, hm, res, report, dl) -> None:
             run_part(model, tok, items, specs, task, res, report, dl, key)
         finally:                               # also after a time box: the prompts that finished
             if key in res:
-                res[key]["vs_lychee"] = vs_lychee(res[key])
+                res[key]["vs_lychee"] = vs_lychee(res[key], _extra_tokens(args, specs))
                 report.save()
                 log(f"{key} vs lychee at the same budget: {res[key]['vs_lychee']}")
 
 
 def _heat_specs(args, model, hm) -> list:
-    """dense, lychee at each budget, and lychee with each feature on at the same budgets."""
+    """dense, lychee at each budget, lychee with each feature on at the same budgets, then the plain lychee
+    controls (--evolve-controls)."""
     base = specs_for(model, ["dense", "lychee"], args.evolve_budgets, hm, args.eval_backend)
     lychee = [s for s in base if s.config is not None]
-    out = base + [renamed(s, f"lychee+heat{args.heat_blocks}", heat_blocks=args.heat_blocks,
+    controls = specs_for(model, ["lychee"], args.evolve_controls, hm, args.eval_backend) if args.evolve_controls else []
+    out = base + controls + [renamed(s, f"lychee+heat{args.heat_blocks}", heat_blocks=args.heat_blocks,
                           heat_decay=args.heat_decay) for s in lychee]
     if args.quest_blocks:
         out += [renamed(s, f"lychee+qs{args.quest_blocks}", quest="sparse", quest_blocks=args.quest_blocks)
@@ -86,19 +92,32 @@ def _heat_specs(args, model, hm) -> list:
     return out
 
 
-def vs_lychee(part: dict) -> list[dict]:
-    """Each feature row of a run_part result against plain lychee at its budget (paired over the same prompts)."""
+def _extra_tokens(args, specs) -> dict[str, int]:
+    """Feature method -> the most tokens it attends beyond its budget (N blocks of the specs' block size)."""
+    block = next(s.config.block_size for s in specs if s.config is not None)
+    return {f"lychee+heat{args.heat_blocks}": args.heat_blocks * block,
+            f"lychee+qs{args.quest_blocks}": args.quest_blocks * block}
+
+
+def vs_lychee(part: dict, extra_tokens: dict[str, int] | None = None) -> list[dict]:
+    """Each feature row of a run_part result against plain lychee (paired over the same prompts): at its budget
+    ("same budget"), and at its budget + extra_tokens[method] where such a lychee row ran ("equal attended")."""
     from lychee_compile.eval.runner import summarize
+    ran = {v["label"] for v in part["variants"]}
     rows = []
     for v in part["variants"]:
         if v["method"] in ("dense", "lychee"):
             continue
-        ref = f"lychee@{v['budget']}"
-        records = [r for r in part["records"] if r["label"] in (ref, v["label"])]
-        row = summarize(dict(records=records, variants=[v]), reference=ref)[0]
-        rows.append(dict(label=v["label"], reference=ref, n=row["n"], ppl=row["ppl"],
-                         ppl_ratio=row.get("ppl_ratio_vs_ref"), ppl_ratio_ci=row.get("ppl_ratio_ci"),
-                         token_hit_rate=row["token_hit_rate"]))
+        refs = [("same budget", f"lychee@{v['budget']}")]
+        extra = (extra_tokens or {}).get(v["method"])
+        if extra and f"lychee@{v['budget'] + extra}" in ran:
+            refs.append(("equal attended", f"lychee@{v['budget'] + extra}"))
+        for comparison, ref in refs:
+            records = [r for r in part["records"] if r["label"] in (ref, v["label"])]
+            row = summarize(dict(records=records, variants=[v]), reference=ref)[0]
+            rows.append(dict(label=v["label"], reference=ref, comparison=comparison, n=row["n"], ppl=row["ppl"],
+                             ppl_ratio=row.get("ppl_ratio_vs_ref"), ppl_ratio_ci=row.get("ppl_ratio_ci"),
+                             token_hit_rate=row["token_hit_rate"]))
     return rows
 
 
