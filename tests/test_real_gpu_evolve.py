@@ -100,6 +100,16 @@ def test_vs_lychee_adds_the_equal_attended_control_where_it_ran(bench):
     assert rows[1]["ppl_ratio"] == pytest.approx(math.exp(0.1))     # heat loses to the control by 0.1 nat
 
 
+def test_vs_lychee_plot_is_written(bench, tmp_path):
+    _, evolve = bench
+    row = dict(label="lychee+heat8@256", reference="lychee@256", comparison="same budget", n=4, ppl_ratio=0.95,
+               ppl_ratio_ci=(0.9, 0.99))
+    path = tmp_path / "evolve.png"
+    evolve.plot_vs_lychee({"heat_repeat2k": [row, dict(row, reference="lychee@384", comparison="equal attended")],
+                           "heat_ppl2k": [row]}, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
 def _rect(agreement, nll, prefix=10):
     return dict(teacher_forced_agreement=agreement, teacher_forced_nll=nll, free_run_equal_prefix=prefix,
                 free_run_equal_total=2 * prefix)

@@ -32,6 +32,7 @@ Parts (--evolve-parts; default both; one part per call when a device time box ca
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import torch
@@ -76,6 +77,11 @@ def _heat(args, model, tok, hm, res, report, dl) -> None:
                 res[key]["vs_lychee"] = vs_lychee(res[key], _extra_tokens(args, specs))
                 report.save()
                 log(f"{key} vs lychee at the same budget: {res[key]['vs_lychee']}")
+    png = os.path.join(os.path.dirname(os.path.abspath(report.path)), "evolve_vs_lychee.png")
+    plot_vs_lychee({k: res[k]["vs_lychee"] for k in ("heat_repeat2k", "heat_ppl2k") if k in res}, png)
+    res["heat"]["png"] = png
+    report.save()
+    log(f"plot: {png}")
 
 
 def _heat_specs(args, model, hm) -> list:
@@ -119,6 +125,32 @@ def vs_lychee(part: dict, extra_tokens: dict[str, int] | None = None) -> list[di
                              ppl_ratio=row.get("ppl_ratio_vs_ref"), ppl_ratio_ci=row.get("ppl_ratio_ci"),
                              token_hit_rate=row["token_hit_rate"]))
     return rows
+
+
+def plot_vs_lychee(parts: dict[str, list[dict]], path: str) -> None:
+    """Forest plot of vs_lychee rows: one panel per part, one line per (feature row, reference) with its paired 95%
+    interval; left of 1 = the feature row's perplexity is lower than plain lychee's."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, max(len(parts), 1), figsize=(5.2 * max(len(parts), 1), 1.0 + 0.45 * max(
+        (len(rows) for rows in parts.values()), default=1)), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], parts.items()):
+        for y, r in enumerate(rows):
+            lo, hi = r["ppl_ratio_ci"]
+            ax.errorbar([r["ppl_ratio"]], [y], xerr=[[r["ppl_ratio"] - lo], [hi - r["ppl_ratio"]]], fmt="o",
+                        capsize=3, color="C0" if r.get("comparison", "same budget") == "same budget" else "C1")
+        ax.set_yticks(range(len(rows)), [f"{r['label']} vs {r['reference']}" for r in rows], fontsize=7)
+        ax.axvline(1.0, color="k", lw=1)
+        ax.invert_yaxis()
+        ax.set_xlabel("perplexity ratio (paired 95% CI)", fontsize=8)
+        ax.set_title(f"{name} (n = {rows[0]['n'] if rows else 0})", fontsize=9)
+    fig.suptitle("feature rows vs plain lychee; blue: at the same budget, orange: at equal attended tokens",
+                 fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _rectify(args, hm, res, report, dl, device) -> None:
