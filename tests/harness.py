@@ -1,5 +1,9 @@
-"""Test-side helpers: run generate() and compare logits step by step."""
+"""Test-side helpers: run generate() and compare logits step by step; import the benchmark scripts."""
 from __future__ import annotations
+
+import importlib
+import os
+import sys
 
 import torch
 from transformers import DynamicCache
@@ -37,3 +41,14 @@ def compiled(arch, attn, retrieval=None, **config):
     config.setdefault("backend", "eager")
     lychee_compile(model, head_map, LycheeConfig(**config))
     return model, state_of(model)
+
+
+def import_benchmarks(*names: str):
+    """Modules of benchmarks/ imported the way its scripts import them (benchmarks/ on sys.path), e.g.
+    import_benchmarks("real_gpu", "real_gpu_stages.evolve")."""
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        return tuple(importlib.import_module(n) for n in names)
+    finally:
+        sys.path.remove(folder)

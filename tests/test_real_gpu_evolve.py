@@ -3,27 +3,18 @@ paired aggregations on synthetic records. No real model, fast."""
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 
+from tests.harness import import_benchmarks
 from tests.models import make
 from tests.test_eval_harness import _given
-
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
 @pytest.fixture(scope="module")
 def bench():
     """(real_gpu, real_gpu_stages.evolve), imported the way the script imports them (benchmarks/ on sys.path)."""
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        import real_gpu
-        from real_gpu_stages import evolve
-    finally:
-        sys.path.remove(BENCHMARKS)
-    return real_gpu, evolve
+    return import_benchmarks("real_gpu", "real_gpu_stages.evolve")
 
 
 def _parse(real_gpu, *extra):
