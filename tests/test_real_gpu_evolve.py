@@ -96,8 +96,9 @@ def test_vs_lychee_plot_is_written(bench, tmp_path):
     row = dict(label="lychee+heat8@256", reference="lychee@256", comparison="same budget", n=4, ppl_ratio=0.95,
                ppl_ratio_ci=(0.9, 0.99))
     path = tmp_path / "evolve.png"
+    unpaired = dict(row, n=0, ppl_ratio=None, ppl_ratio_ci=None)      # a time box before any paired prompt
     evolve.plot_vs_lychee({"heat_repeat2k": [row, dict(row, reference="lychee@384", comparison="equal attended")],
-                           "heat_ppl2k": [row]}, str(path))
+                           "heat_ppl2k": [row, unpaired]}, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
 
 

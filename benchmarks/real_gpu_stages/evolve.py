@@ -137,6 +137,7 @@ def plot_vs_lychee(parts: dict[str, list[dict]], path: str) -> None:
     fig, axes = plt.subplots(1, max(len(parts), 1), figsize=(5.2 * max(len(parts), 1), 1.0 + 0.45 * max(
         (len(rows) for rows in parts.values()), default=1)), squeeze=False)
     for ax, (name, rows) in zip(axes[0], parts.items()):
+        rows = [r for r in rows if r["ppl_ratio"] is not None and r["ppl_ratio_ci"] is not None]   # n = 0: none
         for y, r in enumerate(rows):
             lo, hi = r["ppl_ratio_ci"]
             ax.errorbar([r["ppl_ratio"]], [y], xerr=[[r["ppl_ratio"] - lo], [hi - r["ppl_ratio"]]], fmt="o",
