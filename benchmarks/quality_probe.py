@@ -9,7 +9,8 @@ the harness's full grid (that is `lychee eval` / benchmarks/real_gpu.py).
         --variants lychee@768,lychee+qs24@384 --out confirm.json
 
 Variants: `lychee@B`, `lychee+qsN@B` (LycheeConfig quest="sparse", quest_blocks=N), `lychee+heatN@B` (heat_blocks=N,
-decay 0.9); dense always runs first. Prompts: passkey = indices in the harness's seeded order (prompt i of the
+decay 0.9), each optionally `:MAP` to run with a head map named by `--maps MAP=PATH` instead of the shipped one;
+dense always runs first. Prompts: passkey = indices in the harness's seeded order (prompt i of the
 300-prompt run is index i); repeat = indices of repeat_items(seed=--seed). Prints and writes one record per
 (prompt, variant) and, for perplexity tasks, every variant's paired ratio vs dense and vs the first variant."""
 from __future__ import annotations
@@ -24,15 +25,28 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-VARIANT = re.compile(r"^lychee(?:\+(qs|heat)(\d+))?@(\d+)$")
+VARIANT = re.compile(r"^lychee(?:\+(qs|heat)(\d+))?@(\d+)(?::([A-Za-z0-9_-]+))?$")
 
 
-def parse_variant(text: str) -> tuple[str | None, int, int]:
-    """'lychee+qs24@384' -> ('qs', 24, 384); 'lychee@768' -> (None, 0, 768)."""
+def parse_variant(text: str) -> tuple[str | None, int, int, str | None]:
+    """'lychee+qs24@384' -> ('qs', 24, 384, None); 'lychee@768:rs32' -> (None, 0, 768, 'rs32') (a map named by
+    --maps)."""
     m = VARIANT.match(text.strip())
     if m is None:
-        raise ValueError(f"bad variant {text!r}: use lychee@B, lychee+qsN@B or lychee+heatN@B")
-    return m.group(1), int(m.group(2) or 0), int(m.group(3))
+        raise ValueError(f"bad variant {text!r}: use lychee@B, lychee+qsN@B or lychee+heatN@B, optionally :MAP")
+    return m.group(1), int(m.group(2) or 0), int(m.group(3)), m.group(4)
+
+
+def parse_maps(text: str | None) -> dict[str, str]:
+    """'rs24=a.safetensors,rs32=b.safetensors' -> {name: path}."""
+    out = {}
+    for part in (text or "").split(","):
+        if part:
+            name, eq, path = part.partition("=")
+            if not eq or not name or not path:
+                raise ValueError(f"bad --maps entry {part!r}: use NAME=PATH")
+            out[name] = path
+    return out
 
 
 def parse_prompts(text: str) -> list[int]:
@@ -44,15 +58,30 @@ def parse_prompts(text: str) -> list[int]:
     return out
 
 
-def _specs(model, hm, variants):
+def _specs(model, hm, variants, maps=None):
+    """dense, then one spec per variant; a variant with :MAP runs with that head map (loaded, checked against the
+    model) instead of the shipped one and is labelled lychee[MAP]."""
+    import dataclasses
+
+    from lychee_compile import HeadMap
     from real_gpu_stages.quality import renamed, specs_for
     parsed = [parse_variant(v) for v in variants]
-    base = {s.label: s for s in specs_for(model, ["dense", "lychee"], sorted({b for _, _, b in parsed}), hm, "eager")}
+    maps = maps or {}
+    unknown = sorted({m for *_, m in parsed if m is not None and m not in maps})
+    if unknown:
+        raise ValueError(f"variants name maps {unknown} that --maps does not define")
+    loaded = {name: HeadMap.load(path) for name, path in maps.items()}
+    for m in loaded.values():
+        m.validate_for(model, strict=True)
+    base = {s.label: s for s in specs_for(model, ["dense", "lychee"], sorted({p[2] for p in parsed}), hm, "eager")}
     specs = [base["dense"]]
-    for (kind, n, b), text in zip(parsed, variants):
+    for (kind, n, b, mname), text in zip(parsed, variants):
         plain = base[f"lychee@{b}"]
         cfg = {"qs": dict(quest="sparse", quest_blocks=n), "heat": dict(heat_blocks=n, heat_decay=0.9)}.get(kind)
-        specs.append(renamed(plain, f"lychee+{kind}{n}", **cfg) if cfg else plain)
+        spec = renamed(plain, f"lychee+{kind}{n}", **cfg) if cfg else plain
+        if mname is not None:
+            spec = dataclasses.replace(spec, name=f"{spec.name}[{mname}]", head_map=loaded[mname])
+        specs.append(spec)
     return specs
 
 
@@ -68,6 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--task", choices=("passkey", "repeat"), required=True)
     ap.add_argument("--prompts", required=True, help="indices: '5,120,191' or '0-15'")
     ap.add_argument("--variants", required=True, help="comma-separated, e.g. lychee@768,lychee+qs24@384")
+    ap.add_argument("--maps", default=None, help="NAME=PATH,...: head maps a variant can name (lychee@768:NAME)")
     ap.add_argument("--seed", type=int, default=0, help="the task's prompt seed (0 = the harness's prompts)")
     ap.add_argument("--score-tokens", type=int, default=32, help="repeat: tokens scored by decode steps")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -78,6 +108,7 @@ def main(argv=None) -> int:
     try:
         [parse_variant(v) for v in variants]
         prompts = parse_prompts(args.prompts)
+        maps = parse_maps(args.maps)
     except ValueError as exc:
         ap.error(str(exc))
     torch.set_num_threads(args.threads)
@@ -87,7 +118,7 @@ def main(argv=None) -> int:
     model, tok = load(args.device, "float32")
     hm, _ = shipped_map()
     items = _items(args.task, tok, prompts, args.seed, args.score_tokens)
-    specs = _specs(model, hm, variants)
+    specs = _specs(model, hm, variants, maps)
     res = run_eval(model, tok, [items[i] for i in prompts], specs, task=args.task)
     records = [dict(r, prompt=prompts[r["item"]]) for r in res["records"]]
     for r in records:
