@@ -556,36 +556,31 @@ def _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, 
     thr = zero
     ngt = zero
     if ONE_CHUNK:
-        # FOLD: keys as [NR // TAIL, TAIL] and the tail as [1, TAIL], summed over rows in registers, then ONE
-        # block-wide reduction per count (two reductions, one per register row, cost 2.7 us more per selection at
-        # 131,200 tokens on the H100: BENCHMARKS.md, session 8)
-        FOLD: tl.constexpr = (TAIL > 0) & (TAIL <= NR)
-        if FOLD:
-            rr = tl.arange(0, NR // TAIL)[:, None]
-            cc = tl.arange(0, TAIL)[None, :]
-            keys = tl.load(KEYS_ROW + rr * TAIL + cc, mask=rr * TAIL + cc < NB, other=-1, cache_modifier=".cg")
-            keys_t = tl.load(KEYS_ROW + NR + cc, mask=NR + cc < NB, other=-1, cache_modifier=".cg")
-        else:
-            keys = _lychee_keys(KEYS_ROW, NB, 0, offs)
-            keys_t = keys      # unused unless TAIL > 0
-            if TAIL > 0:
-                keys_t = _lychee_keys(KEYS_ROW, NB, NR, tl.arange(0, TAIL))
-        ncand = _lychee_total((keys >= 0).to(tl.int32), (keys_t >= 0).to(tl.int32), TAIL, FOLD)
+        keys = _lychee_keys(KEYS_ROW, NB, 0, offs)
+        ncand = tl.sum((keys >= 0).to(tl.int32), 0)
+        if TAIL > 0:
+            keys_t = _lychee_keys(KEYS_ROW, NB, NR, tl.arange(0, TAIL))
+            ncand += tl.sum((keys_t >= 0).to(tl.int32), 0)
         if ncand > n:   # else every candidate is taken: no threshold to find (short rows)
             for i in range((31 - LOWB) // 2):     # bits 30..LOWB (+1 if 31 - LOWB is odd), two per pass
                 sh = 29 - 2 * i
                 one = tl.full([], 1, tl.int32) << sh
-                tot = _lychee_total(_lychee_count3(keys, thr, one), _lychee_count3(keys_t, thr, one), TAIL, FOLD)
+                tot = tl.sum(_lychee_count3(keys, thr, one), 0)
+                if TAIL > 0:
+                    tot += tl.sum(_lychee_count3(keys_t, thr, one), 0)
                 c1 = (tot & 0x1FFFFF).to(tl.int32)
                 c2 = ((tot >> 21) & 0x1FFFFF).to(tl.int32)
                 c3 = (tot >> 42).to(tl.int32)
                 d = (c1 >= n).to(tl.int32) + (c2 >= n).to(tl.int32) + (c3 >= n).to(tl.int32)
                 thr = thr | (d << sh)
             if (31 - LOWB) % 2 == 1:                 # the last bit, LOWB, alone
-                c0 = _lychee_total((keys >= (thr | (1 << LOWB))).to(tl.int32),
-                                   (keys_t >= (thr | (1 << LOWB))).to(tl.int32), TAIL, FOLD)
+                c0 = tl.sum((keys >= (thr | (1 << LOWB))).to(tl.int32), 0)
+                if TAIL > 0:
+                    c0 += tl.sum((keys_t >= (thr | (1 << LOWB))).to(tl.int32), 0)
                 thr = tl.where(c0 >= n, thr | (1 << LOWB), thr)
-            ngt = _lychee_total((keys > thr).to(tl.int32), (keys_t > thr).to(tl.int32), TAIL, FOLD)
+            ngt = tl.sum((keys > thr).to(tl.int32), 0)
+            if TAIL > 0:
+                ngt += tl.sum((keys_t > thr).to(tl.int32), 0)
     else:
         ncand = zero
         for c in range(0, NB, NR):
@@ -605,23 +600,9 @@ def _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, 
 
 @triton.jit
 def _lychee_count3(keys, thr, one):
-    """One int64 per key: [key >= thr|one] + [key >= thr|2one] << 21 + [key >= thr|3one] << 42 (summed: 3 counts).
-    (Nested selects of the three constants instead: no measurable change on the H100, session 8.)"""
+    """One int64 per key: [key >= thr|one] + [key >= thr|2one] << 21 + [key >= thr|3one] << 42 (summed: 3 counts)."""
     return ((keys >= (thr | one)).to(tl.int64) + ((keys >= (thr | (one * 2))).to(tl.int64) << 21)
             + ((keys >= (thr | (one * 3))).to(tl.int64) << 42))
-
-
-@triton.jit
-def _lychee_total(x, xt, TAIL: tl.constexpr, FOLD: tl.constexpr):
-    """Sum of x plus, TAIL > 0, of the tail's xt. FOLD (x [R, TAIL], xt [1, TAIL]): both summed over rows in
-    registers first, then ONE block-wide reduction; else one reduction each."""
-    if FOLD:
-        return tl.sum(tl.sum(x, 0) + tl.sum(xt, 0), 0)
-    else:
-        s = tl.sum(x, 0)
-        if TAIL > 0:
-            s += tl.sum(xt, 0)
-        return s
 
 
 @triton.jit
