@@ -130,6 +130,15 @@ def test_kernel_selection_width_tiers(tiers):
     check(*args, 0.125, 16, 16, 32, num_splits=6, nbr_max=32, select_tiers=tiers)
 
 
+@pytest.mark.parametrize("nb_hint, nbr", [(8192, 8192), (8208, 8192), (9216, 8192), (9217, 16384), (20000, 16384)])
+def test_widest_register_tier_only_where_the_cache_can_need_it(nb_hint, nbr):
+    # a 128K + 256 token cache (8,208 blocks) never outgrows NR2 + its tail (8,192 + 1,024): the 16,384-key register
+    # tier is left out of the kernel (compiled in, it alone capped the 16-warp combine's registers and made it spill)
+    _, cp = kernel_params(G=4, Hkv=8, D=128, K_sel=256, block_size=16, sink_tokens=16, local_tokens=64, scale=0.1,
+                          num_splits=264, nb_hint=nb_hint)
+    assert (cp["NR2"], cp["NRT"], cp["NBR"]) == (8192, 1024, nbr)
+
+
 @pytest.mark.parametrize("block_n", [16, 64])
 def test_kernel_blse_by_masked_sums(block_n):
     # the BLSE_SUMS=1 tuning variant (per-block masked row sums instead of a reshape) computes the same block scores

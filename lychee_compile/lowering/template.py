@@ -527,16 +527,18 @@ def _lychee_select(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, KP: t
 @triton.jit
 def _lychee_select_wide(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, KP: tl.constexpr,
                         NBR: tl.constexpr, NR2: tl.constexpr, NRT: tl.constexpr, LOWB: tl.constexpr):
-    """NB > NR2: NR2 + its tail, the NBR tier, or NBR-wide chunks."""
-    if NBR > NR2:
-        if NB <= NR2 + NRT:
-            _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NR2, True, NRT, LOWB)
-        elif NB <= NBR:
-            _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, True, 0, LOWB)
+    """NB > NR2: NR2 + its tail, the NBR tier, or NBR-wide chunks. NBR == NR2 (kernel_params leaves the NBR
+    register tier out when the cache cannot need it): the tail, else chunks."""
+    if NB <= NR2 + NRT:
+        _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NR2, True, NRT, LOWB)
+    else:
+        if NBR > NR2:
+            if NB <= NBR:
+                _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, True, 0, LOWB)
+            else:
+                _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, False, 0, LOWB)
         else:
             _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, False, 0, LOWB)
-    else:
-        _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL, KP, NBR, False, 0, LOWB)
 
 
 @triton.jit
@@ -698,6 +700,12 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
     split = dict(common, QK_SCALE_LOG2=float(scale) * 1.4426950408889634, DOT_UPCAST=interpreting(),
                  BLSE_SUMS=int(blse_sums))
     nbr = max(16, min(nbr_max, _next_pow2(nb_hint)))
+    nr2 = min(_next_pow2(select_tiers[1]), nbr)
+    if nb_hint <= nr2 + max(1, nr2 // 8):
+        # no row of this cache can outgrow NR2 + its tail: leave the NBR register tier (2x NR2 keys per thread) out
+        # of the kernel; compiled in, it alone set the 16-warp combine's registers (128, the cap) and an 88-byte
+        # stack frame for a 128K + 256 cache (cuobjdump, sm_90)
+        nbr = nr2
     combine = dict(common, SC=64, NSP=_next_pow2(num_splits),
                    KC=max(16, min(1024, _next_pow2(nb_hint))), NBR=nbr,
                    NR1=min(_next_pow2(select_tiers[0]), nbr), NR2=min(_next_pow2(select_tiers[1]), nbr),
