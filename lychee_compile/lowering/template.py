@@ -701,15 +701,15 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
                  BLSE_SUMS=int(blse_sums))
     nbr = max(16, min(nbr_max, _next_pow2(nb_hint)))
     nr2 = min(_next_pow2(select_tiers[1]), nbr)
-    if nb_hint <= nr2 + max(1, nr2 // 8):
+    nrt = max(1, nr2 // 8)
+    if nb_hint <= nr2 + nrt:
         # no row of this cache can outgrow NR2 + its tail: leave the NBR register tier (2x NR2 keys per thread) out
         # of the kernel; compiled in, it alone set the 16-warp combine's registers (128, the cap) and an 88-byte
         # stack frame for a 128K + 256 cache (cuobjdump, sm_90)
         nbr = nr2
     combine = dict(common, SC=64, NSP=_next_pow2(num_splits),
                    KC=max(16, min(1024, _next_pow2(nb_hint))), NBR=nbr,
-                   NR1=min(_next_pow2(select_tiers[0]), nbr), NR2=min(_next_pow2(select_tiers[1]), nbr),
-                   NRT=max(1, min(_next_pow2(select_tiers[1]), nbr) // 8),
+                   NR1=min(_next_pow2(select_tiers[0]), nbr), NR2=nr2, NRT=nrt,
                    LOWB=RANK_DROP_BITS if int(policy) == 0 else 0,      # top-k ranks 12 significant bits
                    POLICY=int(policy), PARAM=float(policy_param) if policy else 0.0)   # topk ignores the param
     return split, combine
