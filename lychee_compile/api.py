@@ -18,9 +18,11 @@ from .backend import make_backend
 from .config import LycheeConfig, LycheeConfigError
 from .dynamic_cache import fresh_call, install_dynamic_cache
 from .head_map import HeadMap, HeadMapError
+from .linear_groups import fuse_weights
 from .rectify import install_rectification
 from .state_buffers import install_state, write_kinds
 from .passes import Counters, LycheeCompileError, PassContext, run_passes
+from .passes.fuse_linears import sibling_groups
 
 _STATE_ATTR = "_lychee_state"
 log = logging.getLogger("lychee_compile")
@@ -49,7 +51,7 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
         raise HeadMapError(f"head_map must be a HeadMap or a path to one, got {type(head_map).__name__}.")
     head_map.validate_for(model, config.strict)
 
-    global_layers = probe_global_layers(model, config)
+    global_layers, linear_groups = probe_global_layers(model, config)
     if config.rectify_every and len(global_layers) != model.config.num_hidden_layers:
         raise LycheeConfigError("rectify_every needs every layer to be global: sliding-window layers keep ring "
                                 "buffers whose slots cannot be re-encoded in place. Use rectify_every=0 here.")
@@ -58,6 +60,8 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     snapshots: list[str] = []
     backend = make_backend(model, config, retrieval, head_map.streaming, counters, head_map.digest(), snapshots)
     _install(model, backend)
+    if config.fuse_linears:
+        fuse_weights(model, linear_groups)
     if config.rectify_every:
         install_rectification(model, config.rectify_every)
     before_decode = install_state(model, config, retrieval[global_layers], global_layers)
@@ -121,14 +125,19 @@ def _check_model(model) -> None:
                                  "model with attn_implementation='sdpa' or 'eager'.")
 
 
-def probe_global_layers(model, config: LycheeConfig) -> list[int]:
-    """Trace one decode step through the detect/check passes only; returns the global layers. Raises on problems."""
+def probe_global_layers(model, config: LycheeConfig) -> tuple[list[int], list]:
+    """Trace one decode step through the detect/check passes only; returns the global layers and the decode graph's
+    sibling-linear groups (passes/fuse_linears.py). Raises on problems."""
     counters = Counters()
     found: list[PassContext] = []
+    groups: list = []
+    params = {id(p): p for p in model.parameters()}
 
     def probe_backend(gm, example_inputs, **kwargs):
         ctx = run_passes(PassContext(gm, model, config, None, counters, rewrite=False))
         found.append(ctx)
+        if ctx.is_decode and not groups:
+            groups.extend(sibling_groups(gm, example_inputs, params))
         return gm.forward
 
     from transformers import CompileConfig
@@ -156,7 +165,7 @@ def probe_global_layers(model, config: LycheeConfig) -> list[int]:
     if not decode:
         raise LycheeCompileError("the probe generate() never compiled a decode step, so no attention could be "
                                  "checked; is this a transformers causal LM that supports a static cache?")
-    return sorted(s.layer_idx for s in decode[0].sites if s.kind == "global")
+    return sorted(s.layer_idx for s in decode[0].sites if s.kind == "global"), groups
 
 
 def _unwrap(exc: BaseException) -> BaseException:

@@ -21,7 +21,8 @@ def make_backend(model, config, retrieval: torch.Tensor, streaming: torch.Tensor
     def lychee_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         # kwargs: torch.compile / HF's CompileConfig pass mode= and options=; LycheeConfig decides instead
         # (cuda_graphs), so one config always means one compiled artifact.
-        ctx = run_passes(PassContext(gm, model, config, retrieval, counters, streaming=streaming))
+        ctx = run_passes(PassContext(gm, model, config, retrieval, counters, streaming=streaming,
+                                     example_inputs=list(example_inputs)))
         if ctx.is_decode and not ctx.aborted:
             snapshots.append(graph_snapshot(gm))
         log.info("lychee_compile: graph %d (%s): %d sites%s; %d rewritten in total", counters.graphs,

@@ -57,6 +57,9 @@ class LycheeConfig:
     # What compiles the rewritten graph: "inductor" (default), or "eager" (run the FX graph as is; fast to
     # build, used by tests that check the pass and numerics but not code generation).
     backend: str = "inductor"
+    # Sibling linears (several F.linear on one input: q/k/v, gate/up) become one matrix product over a fused
+    # weight (passes/fuse_linears.py): the member parameters become views of one buffer, no extra memory.
+    fuse_linears: bool = True
 
     def __post_init__(self) -> None:
         for name in ("budget", "block_size", "sink_tokens", "local_tokens"):
@@ -130,6 +133,8 @@ class LycheeConfig:
                                     "Quest and rectification do not apply. Turn them off, or use attention='hybrid'.")
         if not isinstance(self.cuda_graphs, bool):
             raise LycheeConfigError(f"LycheeConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}.")
+        if not isinstance(self.fuse_linears, bool):
+            raise LycheeConfigError(f"LycheeConfig.fuse_linears must be a bool, got {self.fuse_linears!r}.")
         if self.cuda_graphs and self.backend != "inductor":
             raise LycheeConfigError("cuda_graphs=True needs backend='inductor' (Inductor captures the graphs).")
 

@@ -24,6 +24,7 @@ import weakref
 import torch
 
 from .config import LycheeConfigError
+from .linear_groups import announce as announce_linear_groups
 from .ops.quest import block_descriptors, descriptor_dtype
 from .passes.context import LycheeCompileError
 from .rectify import REENCODING_ATTR, padding_mask
@@ -104,6 +105,7 @@ def _wrap_forward(model, keeper) -> None:
                     f"size {x.shape[0]}: prefill (an eager forward with the cache) first.")
             torch.ops.lychee.bind_state(desc, "quest")
         torch.ops.lychee.bind_state(getattr(model, KINDS_ATTR), "kinds")
+        announce_linear_groups(model)
         out = inner(*args, **kwargs)
         if keeper is not None and not torch.compiler.is_compiling():
             # an eager forward wrote (or overwrote) cache entries outside the decode graph: rebuild the descriptors

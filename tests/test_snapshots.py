@@ -28,7 +28,7 @@ def test_rewritten_graph_snapshot(arch, attn, extra):
     assert state.counters.decode_graphs == 1
     assert state.counters.sites_rewritten == len(state.global_layers)
     text = state.snapshots[0]
-    assert text.count("lychee graph v4") == 1 and text.count("\nop ") == len(state.global_layers)
+    assert text.count("lychee graph v5") == 1 and text.count("\nop ") == len(state.global_layers)
     path = SNAPSHOTS / f"{arch}-{attn}{'-' + extra if extra else ''}.txt"
     if os.environ.get("LYCHEE_UPDATE_SNAPSHOTS") == "1" or not path.exists():
         if os.environ.get("CI") and not path.exists():

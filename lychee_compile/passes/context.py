@@ -65,6 +65,8 @@ class Counters:
     sites_sliding: int = 0
     sites_refused: int = 0
     graphs_left_dense: int = 0
+    linear_groups_fused: int = 0     # pass fuse_linears: groups of sibling linears made one product, over all graphs
+    linears_fused: int = 0           # ... and the linear calls they replaced
     decode_calls: int = 0            # runtime: calls of a rewritten decode graph (generate() checks it moved)
     generate_calls_dense: int = 0    # runtime: generate() calls whose decode steps never reached the rewrite
     reasons: list[str] = dataclasses.field(default_factory=list)
@@ -86,6 +88,7 @@ class PassContext:
     is_decode: bool | None = None
     rewrite: bool = True             # False: detect and check only (the probe in lychee_compile)
     aborted: str | None = None       # set when the graph is left dense as a whole (non-strict)
+    example_inputs: list | None = None   # the tensors Dynamo bound to the placeholders, in order (fuse_linears)
 
     @property
     def heat_input(self) -> torch.fx.Node | None:

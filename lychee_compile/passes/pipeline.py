@@ -11,6 +11,7 @@
     thread_state  index state from each op to the next
     thread_slots  stack the ops' heat slices and write them back in place (heat on; Quest's ops write their
                   descriptor slots in place themselves)
+    fuse_linears  sibling linears whose weights lychee_compile fused into one buffer -> one product + narrows
 The probe in api.py runs the same list up to `check` (with window-aware classification off).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .check import check_coverage
 from .classify import classify_for_probe, classify_sites
 from .context import PassContext
 from .detect import find_sites
+from .fuse_linears import fuse_sibling_linears
 from .rewrite import rewrite_sites
 from .thread_slots import thread_slots
 from .thread_state import thread_index_state
@@ -34,6 +36,7 @@ PASSES = [
     ("rewrite", rewrite_sites),
     ("thread_state", thread_index_state),
     ("thread_slots", thread_slots),
+    ("fuse_linears", fuse_sibling_linears),
 ]
 PROBE_PASSES = [(name, classify_for_probe if name == "classify" else fn)
                 for name, fn in PASSES[:[n for n, _ in PASSES].index("check") + 1]]
@@ -45,7 +48,7 @@ def run_passes(ctx: PassContext) -> PassContext:
         fn(ctx)
         if ctx.aborted:
             return ctx
-    if ctx.rewrite and ctx.is_decode:
+    if ctx.rewrite:     # a prefill graph may have changed too (bind_state markers, fused linears)
         ctx.gm.graph.lint()
         ctx.gm.recompile()
     return ctx

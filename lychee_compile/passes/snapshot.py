@@ -3,7 +3,8 @@
 Only what the rewrite decides is printed -- the lychee ops with their inputs named by role, the index-state chain,
 and the attention left dense -- so a snapshot changes when our rewrite changes, not when Dynamo renames a node:
 
-    lychee graph v4: 3 lychee ops, 1 valid mask node, dense attention left: sdpa=0 softmax=0
+    lychee graph v5: 3 lychee ops, 1 valid mask node, dense attention left: sdpa=0 softmax=0
+    linears: 13, fused products: 6 (members 3,2,3,2,3,2)
     op 0 layer=0 q=[2,4,1,16] k=past_key_values.layers.0.keys v=past_key_values.layers.0.values
          valid=valid_from_bool_mask(attention_mask) kinds=kinds_slot(state.kinds, 0) idx_in=empty(K=4) scale=0.25 block=4 ...
 """
@@ -19,6 +20,7 @@ from ..ops.heat import heat_decode_step
 from ..ops.hybrid_decode import hybrid_decode_op
 from ..ops.quest_decode import quest_decode_step
 from ..ops.state import STATE_NAMES
+from .fuse_linears import LINEAR
 from .graph_query import is_op, shape
 
 _ARG_NAMES = ("q", "k", "v", "valid", "kinds", "idx_in", "scale", "block", "sink", "local", "policy", "param")
@@ -41,9 +43,9 @@ def graph_snapshot(gm: torch.fx.GraphModule) -> str:
     layer_of = {op: i for i, op in enumerate(ops)}
     dense = {name: sum(is_op(n, name) for n in gm.graph.nodes) for name in ("sdpa", "softmax")}
     n_valid = len({op.args[3] for op in ops})          # ops share one valid node per mask (rewrite pass)
-    lines = [f"lychee graph v4: {len(ops)} lychee ops, {n_valid} valid mask node{'s' * (n_valid != 1)}, "
+    lines = [f"lychee graph v5: {len(ops)} lychee ops, {n_valid} valid mask node{'s' * (n_valid != 1)}, "
              "dense attention left: "
-             + " ".join(f"{k}={v}" for k, v in dense.items())]
+             + " ".join(f"{k}={v}" for k, v in dense.items()), _linears_line(gm)]
     for i, op in enumerate(ops):
         op_name, arg_names = known[op.target]
         parts = [f"{name}={_render(a, layer_of)}" for name, a in zip(arg_names, op.args)]
@@ -53,6 +55,15 @@ def graph_snapshot(gm: torch.fx.GraphModule) -> str:
         state = _render(n.args[0], layer_of)
         lines.append(f"write_state({state} <- stack of {len(n.args[1].args)} {state.split('.')[-1]} slices)")
     return "\n".join(lines) + "\n"
+
+
+def _linears_line(gm: torch.fx.GraphModule) -> str:
+    """F.linear calls left, and the fused products among them (pass fuse_linears) with their member counts."""
+    linears = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is LINEAR]
+    fused = [n for n in linears if isinstance(n.args[1], torch.fx.Node)
+             and "lychee_linear_group" in str(n.args[1].target)]
+    return (f"linears: {len(linears)}, fused products: {len(fused)} (members "
+            + ",".join(str(len(n.users)) for n in fused) + ")")
 
 
 def _render(a, layer_of) -> str:

@@ -1,0 +1,60 @@
+"""Fused weights of sibling linears (install side of passes/fuse_linears.py, which says why and what matches).
+
+`fuse_weights` concatenates each group's weights (and biases) into one non-persistent buffer, marked static for
+Dynamo (CUDA graphs replay against its address), and re-points every member parameter at its rows of it. The
+parameters stay the model's parameters -- same names, shapes and values, now views of one block of memory -- so
+the model takes no extra memory and its eager forward is unchanged. `announce` (called by the wrapped forward)
+makes the buffers graph inputs through lychee::bind_state.
+
+What a user must know: after lychee_compile the members share storage. Update weights in place
+(`load_state_dict`, `param.copy_`), never by rebinding `param.data` (the compiled step would keep reading the
+buffer), and save weights from a model that did not go through lychee_compile (safetensors refuses tensors that
+share memory), or compile with LycheeConfig(fuse_linears=False).
+"""
+from __future__ import annotations
+
+import torch
+
+from .passes.fuse_linears import BIAS_PREFIX, GROUP_PREFIX
+
+GROUPS_ATTR = "_lychee_linear_groups"     # [(group key, weight buffer attr, bias buffer attr or None), ...]
+
+
+@torch.no_grad()
+def fuse_weights(model, groups: list[list[tuple]]) -> int:
+    """groups: [[(weight, bias or None), ...], ...] parameters (passes.fuse_linears.sibling_groups). Returns the
+    number of groups fused."""
+    entries = []
+    for i, members in enumerate(groups):
+        w_attr = f"_lychee_linear_group_{i}"
+        _register(model, w_attr, torch.cat([w for w, _ in members], 0))
+        _repoint([w for w, _ in members], getattr(model, w_attr))
+        b_attr = None
+        if members[0][1] is not None:
+            b_attr = f"_lychee_linear_bias_{i}"
+            _register(model, b_attr, torch.cat([b for _, b in members], 0))
+            _repoint([b for _, b in members], getattr(model, b_attr))
+        entries.append((str(i), w_attr, b_attr))
+    setattr(model, GROUPS_ATTR, entries)
+    return len(entries)
+
+
+def announce(model) -> None:
+    """Inside the wrapped forward: make each fused buffer a graph input (a no-op marker when run eagerly)."""
+    for key, w_attr, b_attr in getattr(model, GROUPS_ATTR, ()):
+        torch.ops.lychee.bind_state(getattr(model, w_attr), GROUP_PREFIX + key)
+        if b_attr is not None:
+            torch.ops.lychee.bind_state(getattr(model, b_attr), BIAS_PREFIX + key)
+
+
+def _register(model, attr: str, value: torch.Tensor) -> None:
+    model.register_buffer(attr, value, persistent=False)     # state_dict() keeps the parameters' own names
+    torch._dynamo.mark_static_address(getattr(model, attr))
+
+
+def _repoint(params, buf: torch.Tensor) -> None:
+    row = 0
+    for p in params:
+        n = p.shape[0]
+        p.data = buf[row:row + n]         # a view: same shape and values, the buffer's memory
+        row += n
