@@ -135,6 +135,9 @@ def parse_args(argv=None):
     ap.add_argument("--warm-cache", action="store_true",
                     help="keep TORCHINDUCTOR_CACHE_DIR/TRITON_CACHE_DIR as set (default: fresh ones, cold compile)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--inductor", action="append", default=[], metavar="KEY=JSON",
+                    help="set torch._inductor.config KEY to the JSON value for every compiled row, e.g. "
+                         "combo_kernels=true (a tuning experiment; recorded in the JSON's meta)")
     ap.add_argument("--plot", nargs="+", metavar="JSON", help="only turn result JSON files into PNG + table")
     args = ap.parse_args(argv)
     return finish_args(args, ap)
@@ -1204,6 +1207,23 @@ def meta_of(args, env, features, base) -> dict:
     return meta
 
 
+def apply_inductor_config(pairs: list[str]) -> dict:
+    """--inductor KEY=JSON: global Inductor settings (every row's compile sees them, ours and the baselines')."""
+    import torch._inductor.config as inductor_config
+    applied = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        obj, name = inductor_config, key
+        while "." in name:
+            head, name = name.split(".", 1)
+            obj = getattr(obj, head)
+        if not hasattr(obj, name):
+            raise BenchError(f"--inductor {pair}: torch._inductor.config has no {key}")
+        setattr(obj, name, json.loads(value))
+        applied[key] = json.loads(value)
+    return applied
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -1212,6 +1232,7 @@ def main(argv=None) -> int:
         report(results, args.out, "e2e")
         return 0
     env = setup_environment(args)
+    env["inductor_config"] = apply_inductor_config(args.inductor)
     features = lychee_features()
     preflight(args, features)
     budget_clock = Budget(args.max_seconds)

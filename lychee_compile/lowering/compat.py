@@ -12,6 +12,8 @@ both. Any other torch version is used at your own risk: `CHECKED_VERSIONS` says 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 CHECKED_VERSIONS = ((2, 11), (2, 13))
@@ -35,9 +37,18 @@ __all__ = ["CHECKED_VERSIONS", "TORCH_VERSION", "inductor_config", "ir", "empty_
 def compile_fx(gm, example_inputs, cuda_graphs: bool):
     """Inductor on a Dynamo graph, optionally with CUDA graphs (cudagraph trees, as mode="reduce-overhead" does).
     Called inside Dynamo's backend call, so Dynamo's record of static inputs (parameters, the static cache, our
-    state buffers marked static) reaches the cudagraph wrapper."""
+    state buffers marked static) reaches the cudagraph wrapper.
+
+    On CUDA, Inductor's combo kernels are on: a decode step is ~8 tiny independent pointwise / norm kernels per
+    layer (rotary, the K and V cache writes, ...), each a launch and a latency; combined into fewer launches they
+    saved 0.19-0.21 ms of a 12.4 ms step (Llama-3-8B shapes, 128K, H100, interleaved twice: BENCHMARKS.md).
+    LYCHEE_COMBO_KERNELS=0 turns them off (a benchmark knob, read at compile time)."""
     from torch._inductor.compile_fx import compile_fx as _compile_fx
-    return _compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": bool(cuda_graphs)})
+    patches = {"triton.cudagraphs": bool(cuda_graphs)}
+    on_cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
+    if on_cuda and os.environ.get("LYCHEE_COMBO_KERNELS", "1") != "0":
+        patches["combo_kernels"] = True
+    return _compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def select_one(name, choices, input_nodes, layout):
