@@ -27,12 +27,12 @@ def fuse_weights(model, groups: list[list[tuple]]) -> int:
     entries = []
     for i, members in enumerate(groups):
         w_attr = f"_lychee_linear_group_{i}"
-        _register(model, w_attr, torch.cat([w for w, _ in members], 0))
+        _register(model, w_attr, _fused([w for w, _ in members]))
         _repoint([w for w, _ in members], getattr(model, w_attr))
         b_attr = None
         if members[0][1] is not None:
             b_attr = f"_lychee_linear_bias_{i}"
-            _register(model, b_attr, torch.cat([b for _, b in members], 0))
+            _register(model, b_attr, _fused([b for _, b in members]))
             _repoint([b for _, b in members], getattr(model, b_attr))
         entries.append((str(i), w_attr, b_attr))
     setattr(model, GROUPS_ATTR, entries)
@@ -45,6 +45,22 @@ def announce(model) -> None:
         torch.ops.lychee.bind_state(getattr(model, w_attr), GROUP_PREFIX + key)
         if b_attr is not None:
             torch.ops.lychee.bind_state(getattr(model, b_attr), BIAS_PREFIX + key)
+
+
+def _fused(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor holding `tensors` back to back along dim 0. When they already are consecutive row ranges of one
+    storage -- parameters a model shares with another that went through lychee_compile (the eval harness compiles
+    weight-sharing copies) -- it is that memory again, not a new copy."""
+    first = tensors[0]
+    shape = (sum(t.shape[0] for t in tensors),) + tuple(first.shape[1:])
+    offset = first.storage_offset()
+    for t in tensors:
+        if (t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or not t.is_contiguous()
+                or t.storage_offset() != offset):
+            return torch.cat(tensors, 0)
+        offset += t.numel()
+    stride = torch.empty(shape, device="meta").stride()
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, stride)
 
 
 def _register(model, attr: str, value: torch.Tensor) -> None:

@@ -87,3 +87,18 @@ def test_in_place_weight_update_reaches_the_compiled_step():
 def test_fuse_linears_must_be_a_bool():
     with pytest.raises(LycheeConfigError, match="fuse_linears must be a bool"):
         LycheeConfig(fuse_linears="yes")
+
+
+def test_weight_sharing_copies_reuse_one_fused_buffer():
+    from lychee_compile import HeadMap, lychee_compile
+    from lychee_compile.eval.scoring import shared_weight_copy
+    ids, mask = make_batch(lengths=(12, 7))
+    base = make("llama", "sdpa")
+    _, dense = generate_logits(make("llama", "sdpa"), ids, mask, steps=3)
+    first = lychee_compile(shared_weight_copy(base), HeadMap.for_model(base), LycheeConfig(backend="eager", **CONFIG))
+    second = lychee_compile(shared_weight_copy(base), HeadMap.for_model(base), LycheeConfig(backend="eager", **CONFIG))
+    for (_k, w1, _b1), (_k2, w2, _b2) in zip(getattr(first, GROUPS_ATTR), getattr(second, GROUPS_ATTR)):
+        assert getattr(first, w1).data_ptr() == getattr(second, w2).data_ptr()     # no second copy of the weights
+    for model in (first, second):
+        _, logits = generate_logits(model, ids, mask, steps=3)
+        assert max_logit_diff(logits, dense) < EXACT_TOL

@@ -102,7 +102,9 @@ def score_steps(call, prefill: Prefill, targets: list[int], copy_cache: bool = T
 
 def shared_weight_copy(model):
     """A deep copy of `model` whose parameters and buffers are the same tensors (lychee_compile never changes
-    weights; it sets the generation config and attaches its state), so each variant costs almost no memory."""
+    weight values; it sets the generation config, attaches its state and, with fuse_linears, lays sibling weights
+    out in one buffer -- the same buffer for every copy: linear_groups._fused), so each variant costs almost no
+    memory."""
     memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     return copy.deepcopy(model, memo)
 
