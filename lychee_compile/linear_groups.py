@@ -6,7 +6,9 @@ parameters stay the model's parameters -- same names, shapes and values, now vie
 the model takes no extra memory and its eager forward is unchanged. `announce` (called by the wrapped forward)
 makes the buffers graph inputs through lychee::bind_state.
 
-What a user must know: after lychee_compile the members share storage. Update weights in place
+What a user must know: after lychee_compile the members share storage. A later `model.to(...)` converts the
+buffers and the parameters separately (the parameters stop being views: correct, but the fused weights then take
+memory of their own, and the pass leaves those linears unfused); move the model before lychee_compile. Update weights in place
 (`load_state_dict`, `param.copy_`), never by rebinding `param.data` (the compiled step would keep reading the
 buffer), and save weights from a model that did not go through lychee_compile (safetensors refuses tensors that
 share memory), or compile with LycheeConfig(fuse_linears=False).

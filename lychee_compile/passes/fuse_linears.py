@@ -106,10 +106,12 @@ def fuse_sibling_linears(ctx: PassContext) -> None:
 def _replace_group(ctx, x, buf_node, bias_node, values, members) -> None:
     rows = values[buf_node].shape[0]
     members.sort(key=lambda m: m[0])
-    # exactly the buffer's rows, in order, each with bias iff the group has one
+    # exactly the buffer's rows, in order, each with bias iff the group has one, that bias the same rows of its buffer
     covered = 0
     for row, n, _node, b in members:
         if row != covered or (b is None) != (bias_node is None):
+            return
+        if b is not None and (values.get(b) is None or _row_offset(values[b], values[bias_node]) != row):
             return
         covered += n
     if covered != rows or len(members) < 2:
