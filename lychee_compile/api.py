@@ -5,7 +5,8 @@ Order of work, so that bad input never leaves a half-changed model:
   2. probe: one tiny generate() through a detect-only backend, run on a copy of nothing -- the model's own weights,
      its state restored afterwards -- which finds every attention site and refuses unsupported forms;
   3. only then change the model: a static cache and a CompileConfig with our backend in its generation config, so a
-     plain model.generate(...) compiles the decode step with the rewrite (prefill stays eager and dense).
+     plain model.generate(...) compiles the decode step with the rewrite (prefill stays eager and dense); with
+     fuse_linears, the probe's sibling-linear weights laid out in one buffer each (linear_groups.py).
 """
 from __future__ import annotations
 
