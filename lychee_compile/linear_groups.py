@@ -23,9 +23,8 @@ GROUPS_ATTR = "_lychee_linear_groups"     # [(group key, weight buffer attr, bia
 
 
 @torch.no_grad()
-def fuse_weights(model, groups: list[list[tuple]]) -> int:
-    """groups: [[(weight, bias or None), ...], ...] parameters (passes.fuse_linears.sibling_groups). Returns the
-    number of groups fused."""
+def fuse_weights(model, groups: list[list[tuple]]) -> None:
+    """groups: [[(weight, bias or None), ...], ...] parameters (passes.fuse_linears.sibling_groups)."""
     entries = []
     for i, members in enumerate(groups):
         w_attr = f"_lychee_linear_group_{i}"
@@ -38,7 +37,6 @@ def fuse_weights(model, groups: list[list[tuple]]) -> int:
             _repoint([b for _, b in members], getattr(model, b_attr))
         entries.append((str(i), w_attr, b_attr))
     setattr(model, GROUPS_ATTR, entries)
-    return len(entries)
 
 
 def announce(model) -> None:

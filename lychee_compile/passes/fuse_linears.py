@@ -23,6 +23,7 @@ import torch
 import torch.fx
 
 from .context import PassContext
+from .graph_query import arg, is_op
 
 GROUP_PREFIX = "linear_group:"
 BIAS_PREFIX = "linear_bias:"
@@ -31,11 +32,9 @@ LINEAR = torch._C._nn.linear
 
 def _linear_parts(node: torch.fx.Node):
     """(input, weight, bias) nodes of an F.linear call, else None."""
-    if node.op != "call_function" or node.target is not LINEAR:
+    if not is_op(node, "linear"):
         return None
-    args = list(node.args) + [None] * (3 - len(node.args))
-    x, w, b = args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
-    return x, w, b
+    return arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
 
 
 def _placeholder_values(gm: torch.fx.GraphModule, example_inputs) -> dict:
@@ -89,22 +88,22 @@ def fuse_sibling_linears(ctx: PassContext) -> None:
     if not groups or not ctx.config.fuse_linears or ctx.example_inputs is None:
         return
     values = _placeholder_values(ctx.gm, ctx.example_inputs)
-    found: dict = {}          # (group, input node) -> [(row offset, rows, linear node)]
+    by_storage = {values[node].untyped_storage().data_ptr(): key for key, node in groups.items()}
+    found: dict = {}          # (group, input node) -> [(row offset, rows, linear node, bias node)], graph order
     for node in list(ctx.gm.graph.nodes):
         parts = _linear_parts(node)
-        if parts is None or values.get(parts[1]) is None:
-            continue
-        for key, buf_node in groups.items():
-            row = _row_offset(values[parts[1]], values[buf_node])
-            if row is not None:
-                found.setdefault((key, parts[0]), []).append((row, values[parts[1]].shape[0], node, parts[2]))
-                break
+        w = values.get(parts[1]) if parts is not None else None
+        key = by_storage.get(w.untyped_storage().data_ptr()) if w is not None else None
+        row = _row_offset(w, values[groups[key]]) if key is not None else None
+        if row is not None:
+            found.setdefault((key, parts[0]), []).append((row, w.shape[0], node, parts[2]))
     for (key, x), members in found.items():
         _replace_group(ctx, x, groups[key], ctx.state_inputs.get(BIAS_PREFIX + key), values, members)
 
 
 def _replace_group(ctx, x, buf_node, bias_node, values, members) -> None:
     rows = values[buf_node].shape[0]
+    first = members[0][2]          # the first member in graph order: the fused product goes before it
     members.sort(key=lambda m: m[0])
     # exactly the buffer's rows, in order, each with bias iff the group has one, that bias the same rows of its buffer
     covered = 0
@@ -117,7 +116,6 @@ def _replace_group(ctx, x, buf_node, bias_node, values, members) -> None:
     if covered != rows or len(members) < 2:
         return
     graph = ctx.gm.graph
-    first = min((m[2] for m in members), key=lambda n: list(graph.nodes).index(n))
     with graph.inserting_before(first):
         args = (x, buf_node) if bias_node is None else (x, buf_node, bias_node)
         fused = graph.call_function(LINEAR, args)   # y: [..., rows of every member]

@@ -23,6 +23,7 @@ _FUNCTIONS = {
     "reshape": {torch.reshape},
     "getitem": {operator.getitem},
     "repeat_interleave": {torch.repeat_interleave},
+    "linear": {torch._C._nn.linear},     # torch.nn.functional.linear is this same builtin
 }
 _METHODS = {
     "matmul": {"matmul", "bmm", "__matmul__"},

@@ -20,7 +20,6 @@ from ..ops.heat import heat_decode_step
 from ..ops.hybrid_decode import hybrid_decode_op
 from ..ops.quest_decode import quest_decode_step
 from ..ops.state import STATE_NAMES
-from .fuse_linears import LINEAR
 from .graph_query import is_op, shape
 
 _ARG_NAMES = ("q", "k", "v", "valid", "kinds", "idx_in", "scale", "block", "sink", "local", "policy", "param")
@@ -59,7 +58,7 @@ def graph_snapshot(gm: torch.fx.GraphModule) -> str:
 
 def _linears_line(gm: torch.fx.GraphModule) -> str:
     """F.linear calls left, and the fused products among them (pass fuse_linears) with their member counts."""
-    linears = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is LINEAR]
+    linears = [n for n in gm.graph.nodes if is_op(n, "linear")]
     fused = [n for n in linears if isinstance(n.args[1], torch.fx.Node)
              and "lychee_linear_group" in str(n.args[1].target)]
     return (f"linears: {len(linears)}, fused products: {len(fused)} (members "
