@@ -546,44 +546,53 @@ def _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, 
                         ONE_CHUNK: tl.constexpr, TAIL: tl.constexpr, LOWB: tl.constexpr):
     """_lychee_select with keys [0, NB) read NR at a time (ONE_CHUNK: NB <= NR + TAIL, the row stays in registers:
     keys [0, NR) and, TAIL > 0, keys [NR, NR + TAIL) in a second, narrower register row).
-    Candidate keys have their low LOWB bits clear. thr = the n-th largest key, found bit by bit over bits
-    30..LOWB, high to low: in registers two bits per pass (the pass's three
-    counts, each <= NR <= 2^14, packed into one int64 sum: one block-wide reduction per pass), else one bit per pass
-    over the chunks. n = 0 ends with thr = every searched bit set (above any candidate key): nothing is taken. Measured slower on the H100 (BENCHMARKS.md):
-    a 4-pass histogram radix select (similar scores share leading digits: its shared-memory atomics serialise on
-    one bin) and 4 bits per pass (15 counts in one tuple reduction: the per-key count work, not the syncs, bounds a
-    pass with 16 keys per thread)."""
+    Candidate keys have their low LOWB bits clear. thr = the n-th largest key, found over bits 30..LOWB, high to low.
+    In registers the search is latency-bound (one block-wide reduction per pass and row, each a barrier round
+    through shared memory), so it runs as few as it can: a first pass over 3 bits that also counts the candidates
+    (7 + 1 counts in a two-operand reduction), then 2 bits per pass (3 counts in one int64); the count of keys
+    above thr falls out of the passes, and the write pass needs no totals of its last row. Else (chunks) one bit per
+    pass. n = 0 ends with thr = every searched bit set (above any candidate key): nothing is taken. Measured slower
+    on the H100 (BENCHMARKS.md): a 4-pass histogram radix select (similar scores share leading digits: its
+    shared-memory atomics serialise on one bin) and 4 bits per pass (15 counts: the per-key count work, not the
+    syncs, bounds a pass with 16 keys per thread)."""
     offs = tl.arange(0, NR)
     zero = tl.zeros([], tl.int32)
-    thr = zero
-    ngt = zero
     if ONE_CHUNK:
         keys = _lychee_keys(KEYS_ROW, NB, 0, offs)
-        ncand = tl.sum((keys >= 0).to(tl.int32), 0)
         if TAIL > 0:
             keys_t = _lychee_keys(KEYS_ROW, NB, NR, tl.arange(0, TAIL))
-            ncand += tl.sum((keys_t >= 0).to(tl.int32), 0)
-        if ncand > n:   # else every candidate is taken: no threshold to find (short rows)
-            for i in range((31 - LOWB) // 2):     # bits 30..LOWB (+1 if 31 - LOWB is odd), two per pass
-                sh = 29 - 2 * i
+        else:
+            keys_t = keys      # unused
+        FB: tl.constexpr = 2 + (31 - LOWB) % 2      # so that the remaining bits come in pairs
+        sh0: tl.constexpr = 31 - FB
+        lo4, hi4 = _lychee_first_counts(keys, sh0)
+        lo4t, hi4t = _lychee_first_counts(keys_t, sh0)
+        lo4, hi4 = _lychee_total2(lo4, hi4, lo4t, hi4t, TAIL)
+        ncand = (lo4 & 0xFFFF).to(tl.int32)
+        d = zero
+        above = zero          # keys >= the top of thr's current bucket ([0, 2^31) at first: none)
+        for f in tl.static_range(1, 1 << FB):
+            d += (_lychee_field(lo4, hi4, f) >= n).to(tl.int32)
+        for f in tl.static_range(1, 1 << FB):
+            above = tl.where(d + 1 == f, _lychee_field(lo4, hi4, f), above)
+        thr = d << sh0
+        take_all = ncand <= n
+        if not take_all:    # else every candidate is taken: no threshold to find (short rows)
+            for ip in range((31 - LOWB - FB) // 2):      # the remaining bits, two per pass
+                sh = sh0 - 2 - 2 * ip
                 one = tl.full([], 1, tl.int32) << sh
-                tot = tl.sum(_lychee_count3(keys, thr, one), 0)
-                if TAIL > 0:
-                    tot += tl.sum(_lychee_count3(keys_t, thr, one), 0)
+                tot = _lychee_total(_lychee_count3(keys, thr, one), _lychee_count3(keys_t, thr, one), TAIL)
                 c1 = (tot & 0x1FFFFF).to(tl.int32)
                 c2 = ((tot >> 21) & 0x1FFFFF).to(tl.int32)
                 c3 = (tot >> 42).to(tl.int32)
-                d = (c1 >= n).to(tl.int32) + (c2 >= n).to(tl.int32) + (c3 >= n).to(tl.int32)
-                thr = thr | (d << sh)
-            if (31 - LOWB) % 2 == 1:                 # the last bit, LOWB, alone
-                c0 = tl.sum((keys >= (thr | (1 << LOWB))).to(tl.int32), 0)
-                if TAIL > 0:
-                    c0 += tl.sum((keys_t >= (thr | (1 << LOWB))).to(tl.int32), 0)
-                thr = tl.where(c0 >= n, thr | (1 << LOWB), thr)
-            ngt = tl.sum((keys > thr).to(tl.int32), 0)
-            if TAIL > 0:
-                ngt += tl.sum((keys_t > thr).to(tl.int32), 0)
+                dd = (c1 >= n).to(tl.int32) + (c2 >= n).to(tl.int32) + (c3 >= n).to(tl.int32)
+                above = tl.where(dd == 0, c1, tl.where(dd == 1, c2, tl.where(dd == 2, c3, above)))
+                thr = thr | (dd << sh)
+        _lychee_write_regs(keys, keys_t, OUT_ROW, stride_o, thr, take_all, n - above,
+                           tl.where(take_all, ncand, n), KSEL, KP, NR, TAIL)
     else:
+        thr = zero
+        ngt = zero
         ncand = zero
         for c in range(0, NB, NR):
             keys = _lychee_keys(KEYS_ROW, NB, c, offs)
@@ -597,7 +606,67 @@ def _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, 
                 thr = tl.where(cnt >= n, trial, thr)
             for c in range(0, NB, NR):
                 ngt += tl.sum((_lychee_keys(KEYS_ROW, NB, c, offs) > thr).to(tl.int32), 0)
-    _lychee_write_selected(KEYS_ROW, NB, OUT_ROW, stride_o, thr, ncand <= n, n - ngt, KSEL, KP, NR, TAIL)
+        take_all = ncand <= n
+        need = n - ngt
+        eq_before = zero
+        ntaken = zero
+        for c in range(0, NB, NR):
+            eq_before, ntaken = _lychee_write_chunk(_lychee_keys(KEYS_ROW, NB, c, offs), c + offs, OUT_ROW,
+                                                    stride_o, thr, take_all, need, eq_before, ntaken, True)
+        slots = tl.arange(0, KP)
+        tl.store(OUT_ROW + slots * stride_o, tl.full([KP], -1, tl.int32), mask=(slots >= ntaken) & (slots < KSEL))
+
+
+@triton.jit
+def _lychee_first_counts(keys, sh0: tl.constexpr):
+    """The first pass's counts, 16 bits each (<= NR + TAIL <= 2^16 - 1 keys): lo = [key >= 0] + [key >= 1<<sh0] << 16
+    + [key >= 2<<sh0] << 32 + [key >= 3<<sh0] << 48; hi = [key >= (4..7)<<sh0] likewise (0 where those are out of
+    range of a 2-bit first pass)."""
+    one = tl.full([], 1, tl.int32) << sh0
+    lo = ((keys >= 0).to(tl.int64) + ((keys >= one).to(tl.int64) << 16) + ((keys >= 2 * one).to(tl.int64) << 32)
+          + ((keys >= 3 * one).to(tl.int64) << 48))
+    if sh0 == 28:
+        hi = ((keys >= 4 * one).to(tl.int64) + ((keys >= 5 * one).to(tl.int64) << 16)
+              + ((keys >= 6 * one).to(tl.int64) << 32) + ((keys >= 7 * one).to(tl.int64) << 48))
+    else:
+        hi = tl.zeros_like(lo)
+    return lo, hi
+
+
+@triton.jit
+def _lychee_field(lo, hi, i: tl.constexpr):
+    """Count i (1..7) of the first pass (see _lychee_first_counts)."""
+    if i < 4:
+        return ((lo >> (16 * i)) & 0xFFFF).to(tl.int32)
+    else:
+        return ((hi >> (16 * (i - 4))) & 0xFFFF).to(tl.int32)
+
+
+@triton.jit
+def _lychee_add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _lychee_total(x, xt, TAIL: tl.constexpr):
+    """sum(x) + sum(xt) (xt: the TAIL row, if any). Two reductions: folding x onto the tail's width first (reshape,
+    sum over the fold) made Triton move the folded row back to the tail's layout through shared memory, slower
+    than the second reduction (H100, in the model: +0.1 ms a step; BENCHMARKS.md, session 10)."""
+    if TAIL > 0:
+        return tl.sum(x, 0) + tl.sum(xt, 0)
+    else:
+        return tl.sum(x, 0)
+
+
+@triton.jit
+def _lychee_total2(x, y, xt, yt, TAIL: tl.constexpr):
+    """_lychee_total of two operands, each row in one two-operand reduction."""
+    sx, sy = tl.reduce((x, y), 0, _lychee_add2)
+    if TAIL > 0:
+        tx, ty = tl.reduce((xt, yt), 0, _lychee_add2)
+        sx += tx
+        sy += ty
+    return sx, sy
 
 
 @triton.jit
@@ -608,31 +677,29 @@ def _lychee_count3(keys, thr, one):
 
 
 @triton.jit
-def _lychee_write_selected(KEYS_ROW, NB, OUT_ROW, stride_o, thr, take_all, need, KSEL: tl.constexpr,
-                           KP: tl.constexpr, NR: tl.constexpr, TAIL: tl.constexpr):
+def _lychee_write_regs(keys, keys_t, OUT_ROW, stride_o, thr, take_all, need, ntaken, KSEL: tl.constexpr,
+                       KP: tl.constexpr, NR: tl.constexpr, TAIL: tl.constexpr):
     # keys > thr (every candidate if take_all) and the first `need` keys == thr, written ascending with the block
-    # number, EMPTY-padded: chunks of NR ([0, NR) then a TAIL-wide chunk when TAIL > 0)
+    # number, EMPTY-padded past ntaken (the number taken, known from the passes): the register row [0, NR), then
+    # the tail row [NR, NR + TAIL) when TAIL > 0
     zero = tl.zeros([], tl.int32)
-    eq_before = zero
-    ntaken = zero
     if TAIL > 0:
-        eq_before, ntaken = _lychee_write_chunk(KEYS_ROW, NB, 0, tl.arange(0, NR), OUT_ROW, stride_o, thr, take_all,
-                                                need, eq_before, ntaken)
-        eq_before, ntaken = _lychee_write_chunk(KEYS_ROW, NB, NR, tl.arange(0, TAIL), OUT_ROW, stride_o, thr,
-                                                take_all, need, eq_before, ntaken)
+        eq_before, taken = _lychee_write_chunk(keys, tl.arange(0, NR), OUT_ROW, stride_o, thr, take_all, need, zero,
+                                               zero, True)
+        _lychee_write_chunk(keys_t, NR + tl.arange(0, TAIL), OUT_ROW, stride_o, thr, take_all, need, eq_before,
+                            taken, False)
     else:
-        for c in range(0, NB, NR):
-            eq_before, ntaken = _lychee_write_chunk(KEYS_ROW, NB, c, tl.arange(0, NR), OUT_ROW, stride_o, thr,
-                                                    take_all, need, eq_before, ntaken)
+        _lychee_write_chunk(keys, tl.arange(0, NR), OUT_ROW, stride_o, thr, take_all, need, zero, zero, False)
     slots = tl.arange(0, KP)
     tl.store(OUT_ROW + slots * stride_o, tl.full([KP], -1, tl.int32), mask=(slots >= ntaken) & (slots < KSEL))
 
 
 @triton.jit
-def _lychee_write_chunk(KEYS_ROW, NB, c, offs, OUT_ROW, stride_o, thr, take_all, need, eq_before, ntaken):
-    """Keys [c, c + len(offs)) of the write pass. One scan: taken count (low 16 bits) and ties at thr seen so far
-    (high bits) packed together (both <= len(offs) <= 2^14). Returns the updated (eq_before, ntaken)."""
-    keys = _lychee_keys(KEYS_ROW, NB, c, offs)
+def _lychee_write_chunk(keys, blk, OUT_ROW, stride_o, thr, take_all, need, eq_before, ntaken,
+                        TOTALS: tl.constexpr):
+    """Keys of blocks `blk` in the write pass. One scan: taken count (low 16 bits) and ties at thr seen so far
+    (high bits) packed together (both <= len(blk) <= 2^14). TOTALS: also returns the updated (eq_before, ntaken)
+    (one packed reduction), which a later chunk needs; else (0, 0)."""
     eq = ((keys == thr) & (~take_all)).to(tl.int32)
     gt = tl.where(take_all, keys >= 0, keys > thr).to(tl.int32)
     scan = tl.cumsum(gt + (eq << 16), 0)                       # inclusive
@@ -640,8 +707,12 @@ def _lychee_write_chunk(KEYS_ROW, NB, c, offs, OUT_ROW, stride_o, thr, take_all,
     take = (gt != 0) | ((eq != 0) & (rank < need))
     # position = taken before it: the chunk's greater keys before it + the ties taken before it (first `need`)
     pos = ntaken + (scan & 0xFFFF) - gt + tl.minimum(rank, need) - tl.minimum(eq_before, need)
-    tl.store(OUT_ROW + pos * stride_o, c + offs, mask=take)
-    return eq_before + tl.sum(eq, 0), ntaken + tl.sum(take.to(tl.int32), 0)
+    tl.store(OUT_ROW + pos * stride_o, blk, mask=take)
+    if TOTALS:
+        tot = tl.sum(take.to(tl.int32) + (eq << 16), 0)
+        return eq_before + (tot >> 16), ntaken + (tot & 0xFFFF)
+    else:
+        return tl.zeros([], tl.int32), tl.zeros([], tl.int32)
 
 
 ''' + KERNEL_HELPERS_SOURCE + ''''''
