@@ -138,6 +138,9 @@ def parse_args(argv=None):
     ap.add_argument("--inductor", action="append", default=[], metavar="KEY=JSON",
                     help="set torch._inductor.config KEY to the JSON value for every compiled row, e.g. "
                          "combo_kernels=true (a tuning experiment; recorded in the JSON's meta)")
+    ap.add_argument("--blas", choices=["default", "cublas", "cublaslt"], default="default",
+                    help="torch.backends.cuda.preferred_blas_library for the whole run (every row's GEMMs; a "
+                         "tuning experiment; recorded in the JSON's meta)")
     ap.add_argument("--plot", nargs="+", metavar="JSON", help="only turn result JSON files into PNG + table")
     args = ap.parse_args(argv)
     return finish_args(args, ap)
@@ -1233,6 +1236,9 @@ def main(argv=None) -> int:
         return 0
     env = setup_environment(args)
     env["inductor_config"] = apply_inductor_config(args.inductor)
+    if args.blas != "default":
+        torch.backends.cuda.preferred_blas_library(args.blas)
+    env["blas"] = str(torch.backends.cuda.preferred_blas_library())
     features = lychee_features()
     preflight(args, features)
     budget_clock = Budget(args.max_seconds)

@@ -2,7 +2,7 @@
 better? A probe for issue 8's "<= 1.2x its floor" (BENCHMARKS.md, session 9): not part of the library.
 
 For each Llama-3-8B decode product (x [M, K] @ W[N, K]^T, bf16, M = batch rows; the shapes after fuse_linears):
-cuBLAS through F.linear, and a Triton GEMV (rows of W per program, optional split-K with fp32 atomics) over a small
+cuBLAS through F.linear (and through cuBLASLt, torch.backends.cuda.preferred_blas_library), and a Triton GEMV (rows of W per program, optional split-K with fp32 atomics) over a small
 grid of tile shapes. Timed as CUDA-graph replays rotating over enough weight copies that each call reads from DRAM;
 bytes = weight + activations; rate = bytes / time; "% copy" against a device-to-device copy measured in the same run.
 Every Triton result is checked against F.linear (relative error) before it is timed.
@@ -95,6 +95,7 @@ def time_graph(fns) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, default=1)
+    ap.add_argument("--skip-triton", action="store_true", help="time cuBLAS and cuBLASLt only")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -109,6 +110,22 @@ def main():
         nbytes = N * K * 2 + args.m * (N + K) * 2
         row = dict(shape=name, N=N, K=K, M=args.m, bytes=nbytes, floor_us=nbytes / bw * 1e6)
         row["cublas_us"] = 1e3 * time_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
+        # the same F.linear through cuBLASLt (torch.backends.cuda.preferred_blas_library: a process-wide setting)
+        default_blas = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            y_lt = torch.nn.functional.linear(x, ws[0]).float()
+            row["cublaslt_rel_err"] = ((y_lt - ref).norm() / ref.norm()).item()
+            row["cublaslt_us"] = 1e3 * time_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
+        finally:
+            torch.backends.cuda.preferred_blas_library(default_blas)
+        row["cublaslt_pct_copy"] = 100 * row["floor_us"] / row["cublaslt_us"]
+        if args.skip_triton:
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del ws
+            torch.cuda.empty_cache()
+            continue
         best = None
         for bn, bk, sk, nw, ns in configs:
             if bk > K // sk:
