@@ -51,6 +51,7 @@ GLOSSARY = '''
     #          a tail row beside NR2 (combine only)
     # LOWB     low key bits cleared (top-k: policies.RANK_DROP_BITS; other policies 0): the threshold searches
     #          cover bits 30..LOWB only
+    # SEL_PROBE 0 (always, in the library); 1 / 2: benchmark timing probes of the selection's stages (combine only)
     # POLICY, PARAM  selection policy code (policies.POLICIES: 0 topk, 1 topp, 2 threshold, 3 ratio) and its
     #          p / tau / theta: a retrieval head keeps the top n <= KSEL candidates (combine only)
     # SINK, LOCAL   sink / local token counts;  S_MAX, L_MAX  most blocks they can touch (ceil(n / BS) + 1, or 0)
@@ -388,8 +389,15 @@ COMBINE_BODY = '''
                 if ticket == NKC - 1:
                     tl.store(CNT + seg, 0)
                     key_base = KEYS + seg.to(tl.int64) * NB
-                    n = _lychee_keep_count(key_base, NBV, lo, hi, POLICY, PARAM, KSEL, G, BS, NBR, LOWB)
-                    _lychee_select(key_base, NBV, out_base, stride_ok, n, KSEL, KP, NBR, NR1, NR2, NRT, LOWB)
+                    if SEL_PROBE == 0:
+                        n = _lychee_keep_count(key_base, NBV, lo, hi, POLICY, PARAM, KSEL, G, BS, NBR, LOWB)
+                        _lychee_select(key_base, NBV, out_base, stride_ok, n, KSEL, KP, NBR, NR1, NR2, NRT, LOWB)
+                    else:   # timing probe (benchmarks only; WRONG index rows): stop after the ticket (1) or
+                        # after reloading the keys and one reduction over them (2)
+                        cnt = tl.zeros([], tl.int32)
+                        if SEL_PROBE == 2:
+                            cnt = tl.sum((_lychee_keys(key_base, NBV, 0, tl.arange(0, NR2)) >= 0).to(tl.int32), 0)
+                        tl.store(out_base + slots * stride_ok, tl.where(slots == cnt, -2, -1), mask=slots < KSEL)
         if MASS:
             if retr_i == 0 and c_key == 0:
                 # a sparse head's attended blocks: mass per virtual block, stored at its real block
@@ -751,9 +759,11 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
                   scale: float, num_splits: int, nb_hint: int, block_n: int = 64, nbr_max: int = 16384,
                   blse_sums: int = 0, sparse_cost: int = 2, policy: int = 0,
                   policy_param: float = 0.0, select_tiers: tuple = (1024, 8192), mass: bool = False,
-                  extra_width: int = 0):
+                  extra_width: int = 0, sel_probe: int = 0):
     """Constexpr parameters shared by both kernels (a plain dict, hashable inputs only). mass / extra_width: the
-    mass variant (MASS, KX; see the glossary)."""
+    mass variant (MASS, KX; see the glossary). sel_probe: a benchmark-only timing probe of the selection's stages
+    (SEL_PROBE in the combine: 1 stops after the ticket, 2 after reloading the keys; index rows are then WRONG);
+    the library never sets it."""
     bs = int(block_size)
     block_n = max(int(block_n), bs)
     assert block_n % bs == 0, (block_n, bs)
@@ -782,7 +792,8 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
                    KC=max(16, min(1024, _next_pow2(nb_hint))), NBR=nbr,
                    NR1=min(_next_pow2(select_tiers[0]), nbr), NR2=nr2, NRT=nrt,
                    LOWB=RANK_DROP_BITS if int(policy) == 0 else 0,      # top-k ranks 12 significant bits
-                   POLICY=int(policy), PARAM=float(policy_param) if policy else 0.0)   # topk ignores the param
+                   POLICY=int(policy), PARAM=float(policy_param) if policy else 0.0,   # topk ignores the param
+                   SEL_PROBE=int(sel_probe))
     return split, combine
 
 
@@ -918,7 +929,8 @@ def _arg_values(args, tensors):
 def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, out=None,
                    idx_out=None, num_splits=None, block_n=64, nbr_max=16384, ws=None, split_warps=4,
                    split_stages=3, combine_warps=16, blse_sums=0, sparse_cost=2, select=None,
-                   policy=0, policy_param=0.0, select_tiers=(1024, 8192), extra=None, with_mass=False):
+                   policy=0, policy_param=0.0, select_tiers=(1024, 8192), extra=None, with_mass=False,
+                   sel_probe=0):
     """Bind both kernels to fixed buffers: returns (split(), combine(), out, idx_out, mass or None). Nothing is
     allocated per call, so the pair can be captured in a CUDA graph. extra / with_mass: the mass variant
     (lychee::hybrid_decode_mass)."""
@@ -934,7 +946,8 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
                            local_tokens=local_tokens, scale=float(scale), num_splits=num_splits, nb_hint=nb,
                            block_n=block_n, nbr_max=nbr_max, blse_sums=blse_sums, sparse_cost=sparse_cost,
                            policy=policy, policy_param=policy_param, select_tiers=tuple(select_tiers),
-                           mass=with_mass or extra is not None, extra_width=0 if extra is None else extra.shape[-1])
+                           mass=with_mass or extra is not None, extra_width=0 if extra is None else extra.shape[-1],
+                           sel_probe=sel_probe)
     if ws is None:
         ws = workspace(B, Hkv, G, D, T, block_size, num_splits, q.device)
     mass_ws = {}
