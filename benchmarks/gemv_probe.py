@@ -119,6 +119,7 @@ def main():
             row["cublaslt_us"] = 1e3 * time_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in ws])
         finally:
             torch.backends.cuda.preferred_blas_library(default_blas)
+        row["cublas_pct_copy"] = 100 * row["floor_us"] / row["cublas_us"]
         row["cublaslt_pct_copy"] = 100 * row["floor_us"] / row["cublaslt_us"]
         if args.skip_triton:
             rows.append(row)
@@ -146,7 +147,6 @@ def main():
             if best is None or us < best[0]:
                 best = (us, dict(block_n=bn, block_k=bk, split_k=sk, warps=nw, stages=ns, rel_err=err))
         row["triton_us"], row["triton_config"] = best
-        row["cublas_pct_copy"] = 100 * row["floor_us"] / row["cublas_us"]
         row["triton_pct_copy"] = 100 * row["floor_us"] / row["triton_us"]
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -157,11 +157,13 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"gemv_probe_m{args.m}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"\n{meta}\n| product | N x K | floor us | cuBLAS us (% copy) | Triton GEMV us (% copy) | Triton config |")
+    print(f"\n{meta}\n| product | N x K | floor us | cuBLAS us (% copy) | cuBLASLt us (% copy) | Triton GEMV us "
+          "(% copy) | Triton config |")
     for r in rows:
+        triton_cell = (f"{r['triton_us']:.1f} ({r['triton_pct_copy']:.0f}%) | {r['triton_config']}" if "triton_us" in r
+                       else "- | -")
         print(f"| {r['shape']} | {r['N']} x {r['K']} | {r['floor_us']:.1f} | {r['cublas_us']:.1f} "
-              f"({r['cublas_pct_copy']:.0f}%) | {r['triton_us']:.1f} ({r['triton_pct_copy']:.0f}%) | "
-              f"{r['triton_config']} |")
+              f"({r['cublas_pct_copy']:.0f}%) | {r['cublaslt_us']:.1f} ({r['cublaslt_pct_copy']:.0f}%) | {triton_cell} |")
 
 
 if __name__ == "__main__":

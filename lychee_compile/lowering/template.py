@@ -573,9 +573,7 @@ def _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, 
             keys_t = keys      # unused
         FB: tl.constexpr = 2 + (31 - LOWB) % 2      # so that the remaining bits come in pairs
         sh0: tl.constexpr = 31 - FB
-        lo4, hi4 = _lychee_first_counts(keys, sh0)
-        lo4t, hi4t = _lychee_first_counts(keys_t, sh0)
-        lo4, hi4 = _lychee_total2(lo4, hi4, lo4t, hi4t, TAIL)
+        lo4, hi4 = _lychee_first_pass(keys, keys_t, sh0, TAIL)
         ncand = (lo4 & 0xFFFF).to(tl.int32)
         d = zero
         above = zero          # keys >= the top of thr's current bucket ([0, 2^31) at first: none)
@@ -589,15 +587,15 @@ def _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, 
             for ip in range((31 - LOWB - FB) // 2):      # the remaining bits, two per pass
                 sh = sh0 - 2 - 2 * ip
                 one = tl.full([], 1, tl.int32) << sh
-                tot = _lychee_total(_lychee_count3(keys, thr, one), _lychee_count3(keys_t, thr, one), TAIL)
+                tot = _lychee_pass3(keys, keys_t, thr, one, TAIL)
                 c1 = (tot & 0x1FFFFF).to(tl.int32)
                 c2 = ((tot >> 21) & 0x1FFFFF).to(tl.int32)
                 c3 = (tot >> 42).to(tl.int32)
                 dd = (c1 >= n).to(tl.int32) + (c2 >= n).to(tl.int32) + (c3 >= n).to(tl.int32)
                 above = tl.where(dd == 0, c1, tl.where(dd == 1, c2, tl.where(dd == 2, c3, above)))
                 thr = thr | (dd << sh)
-        _lychee_write_regs(keys, keys_t, OUT_ROW, stride_o, thr, take_all, n - above,
-                           tl.where(take_all, ncand, n), KSEL, KP, NR, TAIL)
+        _lychee_write_regs(keys, keys_t, OUT_ROW, stride_o, thr, take_all, n - above, NR, TAIL)
+        _lychee_empty_past(OUT_ROW, stride_o, tl.where(take_all, ncand, n), KSEL, KP)
     else:
         thr = zero
         ngt = zero
@@ -621,8 +619,7 @@ def _lychee_select_tier(KEYS_ROW, NB, OUT_ROW, stride_o, n, KSEL: tl.constexpr, 
         for c in range(0, NB, NR):
             eq_before, ntaken = _lychee_write_chunk(_lychee_keys(KEYS_ROW, NB, c, offs), c + offs, OUT_ROW,
                                                     stride_o, thr, take_all, need, eq_before, ntaken, True)
-        slots = tl.arange(0, KP)
-        tl.store(OUT_ROW + slots * stride_o, tl.full([KP], -1, tl.int32), mask=(slots >= ntaken) & (slots < KSEL))
+        _lychee_empty_past(OUT_ROW, stride_o, ntaken, KSEL, KP)
 
 
 @triton.jit
@@ -656,25 +653,28 @@ def _lychee_add2(a0, b0, a1, b1):
 
 
 @triton.jit
-def _lychee_total(x, xt, TAIL: tl.constexpr):
-    """sum(x) + sum(xt) (xt: the TAIL row, if any). Two reductions: folding x onto the tail's width first (reshape,
-    sum over the fold) made Triton move the folded row back to the tail's layout through shared memory, slower
-    than the second reduction (H100, in the model: +0.1 ms a step; BENCHMARKS.md, session 10)."""
+def _lychee_first_pass(keys, keys_t, sh0: tl.constexpr, TAIL: tl.constexpr):
+    """The first pass's packed counts (_lychee_first_counts) over the row and, TAIL > 0, the tail row, each row in
+    one two-operand reduction. Not folded into one reduction: folding the wider row onto the tail's width (reshape,
+    sum) made Triton move it back to the tail's layout through shared memory, slower in the model (+0.1 ms a step,
+    H100; BENCHMARKS.md, session 10)."""
+    lo, hi = _lychee_first_counts(keys, sh0)
+    slo, shi = tl.reduce((lo, hi), 0, _lychee_add2)
     if TAIL > 0:
-        return tl.sum(x, 0) + tl.sum(xt, 0)
-    else:
-        return tl.sum(x, 0)
+        lot, hit = _lychee_first_counts(keys_t, sh0)
+        tlo, thi = tl.reduce((lot, hit), 0, _lychee_add2)
+        slo += tlo
+        shi += thi
+    return slo, shi
 
 
 @triton.jit
-def _lychee_total2(x, y, xt, yt, TAIL: tl.constexpr):
-    """_lychee_total of two operands, each row in one two-operand reduction."""
-    sx, sy = tl.reduce((x, y), 0, _lychee_add2)
+def _lychee_pass3(keys, keys_t, thr, one, TAIL: tl.constexpr):
+    """A 2-bit pass's three packed counts (_lychee_count3) over the row and, TAIL > 0, the tail row."""
+    tot = tl.sum(_lychee_count3(keys, thr, one), 0)
     if TAIL > 0:
-        tx, ty = tl.reduce((xt, yt), 0, _lychee_add2)
-        sx += tx
-        sy += ty
-    return sx, sy
+        tot += tl.sum(_lychee_count3(keys_t, thr, one), 0)
+    return tot
 
 
 @triton.jit
@@ -685,11 +685,9 @@ def _lychee_count3(keys, thr, one):
 
 
 @triton.jit
-def _lychee_write_regs(keys, keys_t, OUT_ROW, stride_o, thr, take_all, need, ntaken, KSEL: tl.constexpr,
-                       KP: tl.constexpr, NR: tl.constexpr, TAIL: tl.constexpr):
+def _lychee_write_regs(keys, keys_t, OUT_ROW, stride_o, thr, take_all, need, NR: tl.constexpr, TAIL: tl.constexpr):
     # keys > thr (every candidate if take_all) and the first `need` keys == thr, written ascending with the block
-    # number, EMPTY-padded past ntaken (the number taken, known from the passes): the register row [0, NR), then
-    # the tail row [NR, NR + TAIL) when TAIL > 0
+    # number: the register row [0, NR), then the tail row [NR, NR + TAIL) when TAIL > 0
     zero = tl.zeros([], tl.int32)
     if TAIL > 0:
         eq_before, taken = _lychee_write_chunk(keys, tl.arange(0, NR), OUT_ROW, stride_o, thr, take_all, need, zero,
@@ -698,6 +696,11 @@ def _lychee_write_regs(keys, keys_t, OUT_ROW, stride_o, thr, take_all, need, nta
                             taken, False)
     else:
         _lychee_write_chunk(keys, tl.arange(0, NR), OUT_ROW, stride_o, thr, take_all, need, zero, zero, False)
+
+
+@triton.jit
+def _lychee_empty_past(OUT_ROW, stride_o, ntaken, KSEL: tl.constexpr, KP: tl.constexpr):
+    """EMPTY (-1) in the index row's slots [ntaken, KSEL)."""
     slots = tl.arange(0, KP)
     tl.store(OUT_ROW + slots * stride_o, tl.full([KP], -1, tl.int32), mask=(slots >= ntaken) & (slots < KSEL))
 
