@@ -60,6 +60,9 @@ class LycheeConfig:
     # Sibling linears (several F.linear on one input: q/k/v, gate/up) become one matrix product over a fused
     # weight (passes/fuse_linears.py): the member parameters become views of one buffer, no extra memory.
     fuse_linears: bool = True
+    # Each retrieval head's top-k runs on a side stream, overlapped with the products up to the next global layer
+    # (passes/defer_selection.py; Triton lowering on CUDA only, elsewhere the same values synchronously).
+    defer_selection: bool = True
 
     def __post_init__(self) -> None:
         for name in ("budget", "block_size", "sink_tokens", "local_tokens"):
@@ -133,6 +136,8 @@ class LycheeConfig:
                                     "Quest and rectification do not apply. Turn them off, or use attention='hybrid'.")
         if not isinstance(self.cuda_graphs, bool):
             raise LycheeConfigError(f"LycheeConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}.")
+        if not isinstance(self.defer_selection, bool):
+            raise LycheeConfigError(f"LycheeConfig.defer_selection must be a bool, got {self.defer_selection!r}.")
         if not isinstance(self.fuse_linears, bool):
             raise LycheeConfigError(f"LycheeConfig.fuse_linears must be a bool, got {self.fuse_linears!r}.")
         if self.cuda_graphs and self.backend != "inductor":

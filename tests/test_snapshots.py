@@ -28,7 +28,10 @@ def test_rewritten_graph_snapshot(arch, attn, extra):
     assert state.counters.decode_graphs == 1
     assert state.counters.sites_rewritten == len(state.global_layers)
     text = state.snapshots[0]
-    assert text.count("lychee graph v5") == 1 and text.count("\nop ") == len(state.global_layers)
+    assert text.count("lychee graph v6") == 1 and text.count("\nop ") == len(state.global_layers)
+    # pass defer_selection: every plain op but the last waits for its selection before its reader (not heat/Quest)
+    deferred = 0 if extra else len(state.global_layers) - 1
+    assert state.counters.selections_deferred == deferred and text.count("\nindex_ready(") == deferred
     path = SNAPSHOTS / f"{arch}-{attn}{'-' + extra if extra else ''}.txt"
     if os.environ.get("LYCHEE_UPDATE_SNAPSHOTS") == "1" or not path.exists():
         if os.environ.get("CI") and not path.exists():

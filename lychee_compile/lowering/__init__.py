@@ -15,8 +15,9 @@ _state = {"registered": False, "previous": {}}
 
 
 def _ops():
-    from .lower import MASS_OP, OP, hybrid_decode_lowering, hybrid_decode_mass_lowering
-    return {OP: hybrid_decode_lowering, MASS_OP: hybrid_decode_mass_lowering}
+    from .lower import (INDEX_READY_OP, MASS_OP, OP, hybrid_decode_lowering, hybrid_decode_mass_lowering,
+                        index_ready_lowering)
+    return {OP: hybrid_decode_lowering, MASS_OP: hybrid_decode_mass_lowering, INDEX_READY_OP: index_ready_lowering}
 
 
 def register() -> None:

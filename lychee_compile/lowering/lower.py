@@ -16,6 +16,8 @@ from .template import (COMBINE_MASS_SOURCE, COMBINE_SOURCE, SPLIT_MASS_SOURCE, S
 
 OP = torch.ops.lychee.hybrid_decode.default
 MASS_OP = torch.ops.lychee.hybrid_decode_mass.default     # heat and Quest build on it (ops/heat.py, quest_decode.py)
+SELECT_ROWS_OP = torch.ops.lychee.select_rows.default      # the deferred selection (ops/deferred_select.py)
+INDEX_READY_OP = torch.ops.lychee.index_ready.default
 
 
 @compat.SymbolicGridFn
@@ -43,6 +45,13 @@ def templates(mass: bool = False):
 
 
 def _fallback(op, *args):
+    """The op's eager reference as an extern kernel (inputs the templates do not handle)."""
+    return _extern(op, *args)
+
+
+def _extern(op, *args):
+    """An extern call that is part of the lowering itself (the deferred selection's fork and join), not a
+    fallback from it."""
     return compat.fallback_handler(op, add_to_fallback_set=False)(*args)
 
 
@@ -87,15 +96,33 @@ def _int32(value: int, device):
 
 
 def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
-                           policy=0, policy_param=0.0, quest_mode=0, quest_blocks=0, select=None):
+                           policy=0, policy_param=0.0, quest_mode=0, quest_blocks=0, select=None,
+                           defer_select=False):
     # The templates implement every selection policy (a constexpr of the combine kernel) but no Quest bounds;
-    # Quest and unsupported inputs run the reference (extern), with all of the op's arguments.
+    # Quest and unsupported inputs run the reference (extern), with all of the op's arguments (its idx_out is
+    # then complete on return, deferred or not).
     args = (q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, policy, policy_param,
-            quest_mode, quest_blocks, select)
+            quest_mode, quest_blocks, select, defer_select)
     if quest_mode != 0 or _unsupported(q, k, idx_in):
         return _fallback(OP, *args)
     return _lower(q, k, v, valid, retrieval, idx_in, None, scale, block_size, sink_tokens, local_tokens, policy,
-                  policy_param, select)
+                  policy_param, select, defer=bool(defer_select))
+
+
+def index_ready_lowering(idx, hold=()):
+    """The join of a deferred selection: an extern call that makes the current stream wait for it, holding the
+    buffers the side stream reads (so Inductor cannot reuse their memory before the join). The entry was left by
+    the lowering of the op that produced `idx`. If a deferred selection is pending but `idx` is not its buffer
+    (Inductor copied the index state instead of joining in place), the copy could read a half-written row: refuse
+    to compile rather than race."""
+    memo = compat.graph_memo().setdefault("deferred", {})
+    name = compat.realize(idx).get_name()
+    entry = memo.pop(name, None)
+    if entry is None and memo:
+        raise RuntimeError(f"lychee: index_ready on {name}, but the deferred selections pending are on "
+                           f"{sorted(memo)}: the index state was copied before its join (please report this "
+                           "with your torch version; LycheeConfig(defer_selection=False) avoids it)")
+    return _extern(INDEX_READY_OP, idx, list(entry or ()) + list(hold))
 
 
 def hybrid_decode_mass_lowering(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tokens,
@@ -116,9 +143,10 @@ def _unsupported(q, k, idx_in) -> bool:
 
 
 def _lower(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tokens, local_tokens, policy,
-           policy_param, select):
+           policy_param, select, defer=False):
     """The two templates for one site: (out, idx_out), or with `extra` given (the mass variant) (out, idx_out,
-    mass)."""
+    mass). defer: the combine only writes the keys and a lychee::select_rows extern selects on a side stream
+    (its join, index_ready_lowering, finds what to hold in the graph memo)."""
     mass = extra is not None
     B, Hq, _, D = q.get_size()
     T = k.get_size()[2]
@@ -130,7 +158,7 @@ def _lower(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tok
     sp, cp = kernel_params(G=G, Hkv=Hkv, D=D, K_sel=K_sel, block_size=int(block_size), sink_tokens=int(sink_tokens),
                            local_tokens=int(local_tokens), scale=float(scale), num_splits=num_splits,
                            nb_hint=nb_hint, policy=int(policy), policy_param=float(policy_param), mass=mass,
-                           extra_width=compat.static_int(extra.get_size()[2]) if mass else 0)
+                           extra_width=compat.static_int(extra.get_size()[2]) if mass else 0, defer=defer)
     sp = dict(sp, DOT_UPCAST=interpreting())
     NB = compat.CeilDiv(T, int(block_size))
     f32, i32 = torch.float32, torch.int32
@@ -170,4 +198,8 @@ def _lower(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tok
     if not choices:
         raise RuntimeError(f"lychee hybrid_decode combine template failed: {err}")
     out = compat.select_one(combine_t.name, choices, combine_inputs, out_layout)
+    if defer:
+        _extern(SELECT_ROWS_OP, keys, idx_out, *ext, retr8, sel8, int(block_size), G, int(policy),
+                  float(policy_param), nb_hint)
+        compat.graph_memo().setdefault("deferred", {})[idx_out.get_name()] = (keys, retr8, sel8)
     return (out, idx_out, masso) if mass else (out, idx_out)

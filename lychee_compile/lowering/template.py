@@ -52,6 +52,8 @@ GLOSSARY = '''
     # LOWB     low key bits cleared (top-k: policies.RANK_DROP_BITS; other policies 0): the threshold searches
     #          cover bits 30..LOWB only
     # SEL_PROBE 0 (always, in the library); 1 / 2: benchmark timing probes of the selection's stages (combine only)
+    # DEFER    0: the combine selects (the last key program of a segment); 1: it only writes KEYS, and
+    #          lychee_select_rows (SELECT_SOURCE, a third launch on a side stream) selects later (combine only)
     # POLICY, PARAM  selection policy code (policies.POLICIES: 0 topk, 1 topp, 2 threshold, 3 ratio) and its
     #          p / tau / theta: a retrieval head keeps the top n <= KSEL candidates (combine only)
     # SINK, LOCAL   sink / local token counts;  S_MAX, L_MAX  most blocks they can touch (ceil(n / BS) + 1, or 0)
@@ -384,8 +386,11 @@ COMBINE_BODY = '''
             if sel_i != 0:
                 _lychee_block_keys(KEYS + seg.to(tl.int64) * NB, blk, score, NBV, lo, hi, sb0, sb1, lb0, lb1, BS,
                                    LOWB)
-                tl.debug_barrier()
-                ticket = tl.atomic_add(CNT + seg, 1)
+                if DEFER == 0:     # DEFER: lychee_select_rows selects later, off the critical path (SELECT_SOURCE)
+                    tl.debug_barrier()
+                    ticket = tl.atomic_add(CNT + seg, 1)
+                else:
+                    ticket = -1
                 if ticket == NKC - 1:
                     tl.store(CNT + seg, 0)
                     key_base = KEYS + seg.to(tl.int64) * NB
@@ -411,6 +416,9 @@ COMBINE_BODY = '''
                                                    {{extra_row}}, stride_xk, NB, S_MAX, L_MAX, KSEL, KX)
                 tl.store(MASSO + seg.to(tl.int64) * NB + vblk, vmass, mask=vok & (vb < NVB))
 
+'''
+
+SELECTION_HELPERS_SOURCE = '''
 
 @triton.jit
 def _lychee_block_keys(KEYS_ROW, blk, score, NBV, lo, hi, sb0, sb1, lb0, lb1, BS: tl.constexpr, LOWB: tl.constexpr):
@@ -726,7 +734,33 @@ def _lychee_write_chunk(keys, blk, OUT_ROW, stride_o, thr, take_all, need, eq_be
         return tl.zeros([], tl.int32), tl.zeros([], tl.int32)
 
 
-''' + KERNEL_HELPERS_SOURCE + ''''''
+''' + KERNEL_HELPERS_SOURCE
+COMBINE_BODY += SELECTION_HELPERS_SOURCE
+
+# The deferred selection (DEFER = 1): a third launch, on a side stream (ops/deferred_select.py), running the same
+# selection helpers the combine would have run. Not a Jinja template: Inductor never generates it; the
+# lychee::select_rows op launches it (lowering/deferred.py).
+SELECT_KERNEL_SOURCE = '''
+@triton.jit
+def lychee_select_rows(KEYS, ROWLO, ROWHI, TVP, RETR, SEL, IDXO, NB, stride_ob, stride_oh, stride_ok,
+                       HKV: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, KSEL: tl.constexpr, KP: tl.constexpr,
+                       NBR: tl.constexpr, NR1: tl.constexpr, NR2: tl.constexpr, NRT: tl.constexpr,
+                       LOWB: tl.constexpr, POLICY: tl.constexpr, PARAM: tl.constexpr):
+    # grid (B * HKV,): program seg = b * HKV + h selects IDXO's row (b, h) from KEYS' row when h is a retrieval
+    # head whose selection is read (RETR[h] and SEL[h]); the combine launch wrote KEYS and every other row
+    seg = tl.program_id(0)
+    b = seg // HKV
+    h = seg - b * HKV
+    if (tl.load(RETR + h) != 0) & (tl.load(SEL + h) != 0):
+        lo = tl.load(ROWLO + b)
+        hi = tl.load(ROWHI + b)
+        NBV = (tl.load(TVP) + BS - 1) // BS      # blocks the split launch scored (the combine's NBV)
+        key_base = KEYS + seg.to(tl.int64) * NB
+        out_base = IDXO + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+        n = _lychee_keep_count(key_base, NBV, lo, hi, POLICY, PARAM, KSEL, G, BS, NBR, LOWB)
+        _lychee_select(key_base, NBV, out_base, stride_ok, n, KSEL, KP, NBR, NR1, NR2, NRT, LOWB)
+'''
+SELECT_CONSTEXPRS = ("HKV", "G", "BS", "KSEL", "KP", "NBR", "NR1", "NR2", "NRT", "LOWB", "POLICY", "PARAM")
 
 SPLIT_NAMES = ("Q", "K", "V", "ROWLO", "ROWHI", "TVP", "RETR", "IDX", "PM", "PL", "BLSE", "CNT")
 COMBINE_NAMES = ("PACC", "PM", "PL", "BLSE", "VALID", "ROWLO", "ROWHI", "TVP", "RETR", "SEL", "IDX", "IDXO", "KEYS",
@@ -762,11 +796,12 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
                   scale: float, num_splits: int, nb_hint: int, block_n: int = 64, nbr_max: int = 16384,
                   blse_sums: int = 0, sparse_cost: int = 2, policy: int = 0,
                   policy_param: float = 0.0, select_tiers: tuple = (1024, 8192), mass: bool = False,
-                  extra_width: int = 0, sel_probe: int = 0):
+                  extra_width: int = 0, sel_probe: int = 0, defer: bool = False):
     """Constexpr parameters shared by both kernels (a plain dict, hashable inputs only). mass / extra_width: the
     mass variant (MASS, KX; see the glossary). sel_probe: a benchmark-only timing probe of the selection's stages
     (SEL_PROBE in the combine: 1 stops after the ticket, 2 after reloading the keys; index rows are then WRONG);
-    the library never sets it."""
+    the library never sets it. defer: the combine leaves the top-k to lychee_select_rows (DEFER; the same
+    selection constexprs serve both kernels)."""
     bs = int(block_size)
     block_n = max(int(block_n), bs)
     assert block_n % bs == 0, (block_n, bs)
@@ -796,7 +831,7 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
                    NR1=min(_next_pow2(select_tiers[0]), nbr), NR2=nr2, NRT=nrt,
                    LOWB=RANK_DROP_BITS if int(policy) == 0 else 0,      # top-k ranks 12 significant bits
                    POLICY=int(policy), PARAM=float(policy_param) if policy else 0.0,   # topk ignores the param
-                   SEL_PROBE=int(sel_probe))
+                   SEL_PROBE=int(sel_probe), DEFER=int(bool(defer)))
     return split, combine
 
 
@@ -868,6 +903,11 @@ def _standalone(kind: str, constexpr_items: tuple):
         r = _StandaloneRenderer("lychee_hybrid_combine", kernel_tensors(kind, mass), COMBINE_OUT, constexprs)
         src, args = r.render(COMBINE_MASS_SOURCE if mass else COMBINE_SOURCE)
     text = "import triton\nimport triton.language as tl\n\n" + src
+    return getattr(_load_module(kind, text), r.name), args, text
+
+
+def _load_module(kind: str, text: str):
+    """Python module from kernel source text, written once to a content-addressed file."""
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     os.makedirs(_MODULE_DIR, exist_ok=True)
     path = os.path.join(_MODULE_DIR, f"lychee_{kind}_{digest}.py")
@@ -884,7 +924,32 @@ def _standalone(kind: str, constexpr_items: tuple):
         mod = importlib.util.module_from_spec(spec)
         sys.modules[modname] = mod
         spec.loader.exec_module(mod)
-    return getattr(mod, r.name), args, text
+    return mod
+
+
+@functools.lru_cache(maxsize=None)
+def select_kernel():
+    """The deferred selection's @triton.jit kernel lychee_select_rows (SELECT_KERNEL_SOURCE plus the selection
+    helpers), loaded from a file like the standalone kernels (Triton's JIT needs the source on disk)."""
+    text = "import triton\nimport triton.language as tl\n\n" + SELECT_KERNEL_SOURCE + SELECTION_HELPERS_SOURCE
+    return _load_module("select", text).lychee_select_rows
+
+
+def selection_constexprs(*, G: int, Hkv: int, K_sel: int, block_size: int, nb_hint: int, policy: int,
+                         policy_param: float) -> dict:
+    """The combine's selection constexprs (SELECT_CONSTEXPRS) for these shapes: what lychee_select_rows takes.
+    The attention-only parameters of kernel_params do not change them (neutral values below)."""
+    _, cp = kernel_params(G=G, Hkv=Hkv, D=16, K_sel=K_sel, block_size=block_size, sink_tokens=0, local_tokens=0,
+                          scale=1.0, num_splits=1, nb_hint=nb_hint, policy=policy, policy_param=policy_param)
+    return {c: cp[c] for c in SELECT_CONSTEXPRS}
+
+
+def launch_select(keys, rowlo, rowhi, tvp, retr8, sel8, idx_out, cp: dict, num_warps: int = 16):
+    """lychee_select_rows over grid (B * Hkv,) with the combine's constexprs `cp` (kernel_params).
+    keys int32 [B, Hkv, NB] contiguous; idx_out int32 [B, Hkv, K] (any strides)."""
+    B, Hkv, nb = keys.shape
+    select_kernel()[(B * Hkv,)](keys, rowlo, rowhi, tvp, retr8, sel8, idx_out, nb, *idx_out.stride(),
+                                **{c: cp[c] for c in SELECT_CONSTEXPRS}, num_warps=num_warps, num_stages=1)
 
 
 def render_standalone(kind: str, constexprs: dict):
@@ -933,10 +998,11 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
                    idx_out=None, num_splits=None, block_n=64, nbr_max=16384, ws=None, split_warps=4,
                    split_stages=3, combine_warps=16, blse_sums=0, sparse_cost=2, select=None,
                    policy=0, policy_param=0.0, select_tiers=(1024, 8192), extra=None, with_mass=False,
-                   sel_probe=0):
+                   sel_probe=0, defer=False):
     """Bind both kernels to fixed buffers: returns (split(), combine(), out, idx_out, mass or None). Nothing is
     allocated per call, so the pair can be captured in a CUDA graph. extra / with_mass: the mass variant
-    (lychee::hybrid_decode_mass)."""
+    (lychee::hybrid_decode_mass). defer: the combine leaves the top-k to lychee_select_rows, which combine() then
+    launches right after it on the same stream (the lowering puts it on a side stream)."""
     import torch
     B, Hq, _, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
@@ -950,7 +1016,7 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
                            block_n=block_n, nbr_max=nbr_max, blse_sums=blse_sums, sparse_cost=sparse_cost,
                            policy=policy, policy_param=policy_param, select_tiers=tuple(select_tiers),
                            mass=with_mass or extra is not None, extra_width=0 if extra is None else extra.shape[-1],
-                           sel_probe=sel_probe)
+                           sel_probe=sel_probe, defer=defer)
     if ws is None:
         ws = workspace(B, Hkv, G, D, T, block_size, num_splits, q.device)
     mass_ws = {}
@@ -979,6 +1045,9 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
 
     def combine():
         kc[combine_grid](*v2, num_warps=combine_warps, num_stages=1)
+        if defer:
+            launch_select(ws["KEYS"], ext["ROWLO"], ext["ROWHI"], ext["TVP"], retr8, sel8, idx_out, cp,
+                          num_warps=combine_warps)
 
     return split, combine, out, idx_out, mass_ws.get("MASSO")
 

@@ -1,11 +1,16 @@
 """The op contract: `torch.ops.lychee.hybrid_decode`, one decode step of hybrid attention for one global layer.
 
     hybrid_decode(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
-                  policy=0, policy_param=0.0, quest_mode=0, quest_blocks=0, select=None) -> (out, idx_out)
+                  policy=0, policy_param=0.0, quest_mode=0, quest_blocks=0, select=None,
+                  defer_select=False) -> (out, idx_out)
 
 `select` bool [Hkv] (optional; None = every head): the retrieval heads whose selection someone reads (the
 thread_state pass passes the heads that are sparse in the next global layer). A retrieval head outside it skips the
 top-k and outputs an EMPTY row -- its selection would be dead, and it is ~1/8 of a retrieval head's layer time.
+
+`defer_select` (the defer_selection pass sets it): idx_out is not complete when the op returns; it must pass
+through `lychee::index_ready` (ops/deferred_select.py) before anything reads it. Eager (the reference) it is
+complete anyway; the Triton lowering then selects on a side stream, off the critical path. The values are the same.
 
 Shapes and dtypes are documented in reference.py (the math) and index_state.py (idx_in / idx_out). The op is
 functional (mutates nothing), so FX passes may move it like any pure node and Inductor may lower it. Its CPU/CUDA
@@ -27,7 +32,8 @@ def hybrid_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
                   retrieval: torch.Tensor, idx_in: torch.Tensor, scale: float, block_size: int,
                   sink_tokens: int, local_tokens: int, policy: int = 0, policy_param: float = 0.0,
                   quest_mode: int = 0, quest_blocks: int = 0,
-                  select: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  select: torch.Tensor | None = None, defer_select: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    # defer_select changes where the lowering selects, never what: the reference ignores it (module docstring)
     return hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
                                    policy, policy_param, quest_mode=quest_mode, quest_blocks=quest_blocks,
                                    select=select)
@@ -35,7 +41,7 @@ def hybrid_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
 
 @hybrid_decode.register_fake
 def _(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, policy=0, policy_param=0.0,
-      quest_mode=0, quest_blocks=0, select=None):
+      quest_mode=0, quest_blocks=0, select=None, defer_select=False):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "q, k, v must be 4-D [B, H, T, D]")
     torch._check(q.shape[2] == 1, lambda: "hybrid_decode takes query length 1")
     torch._check(q.shape[1] % k.shape[1] == 0, lambda: "query heads must be a multiple of KV heads")

@@ -67,6 +67,7 @@ class Counters:
     graphs_left_dense: int = 0
     linear_groups_fused: int = 0     # pass fuse_linears: groups of sibling linears made one product, over all graphs
     linears_fused: int = 0           # ... and the linear calls they replaced
+    selections_deferred: int = 0     # pass defer_selection: ops whose top-k the lowering may finish on a side stream
     decode_calls: int = 0            # runtime: calls of a rewritten decode graph (generate() checks it moved)
     generate_calls_dense: int = 0    # runtime: generate() calls whose decode steps never reached the rewrite
     reasons: list[str] = dataclasses.field(default_factory=list)

@@ -9,6 +9,8 @@
     rewrite       global decode sites -> lychee::hybrid_decode (heat / Quest: the composites heat_decode_step /
                   quest_decode_step around lychee::hybrid_decode_mass)
     thread_state  index state from each op to the next
+    defer_selection  each read index state waits (lychee::index_ready) just before its first reader; the op's
+                  top-k may then run on a side stream meanwhile (ops/deferred_select.py)
     thread_slots  stack the ops' heat slices and write them back in place (heat on; Quest's ops write their
                   descriptor slots in place themselves)
     fuse_linears  sibling linears whose weights lychee_compile fused into one buffer -> one product + narrows
@@ -21,6 +23,7 @@ from .canonicalize import canonicalize_sites
 from .check import check_coverage
 from .classify import classify_for_probe, classify_sites
 from .context import PassContext
+from .defer_selection import defer_selections
 from .detect import find_sites
 from .fuse_linears import fuse_sibling_linears
 from .rewrite import rewrite_sites
@@ -35,6 +38,7 @@ PASSES = [
     ("check", check_coverage),
     ("rewrite", rewrite_sites),
     ("thread_state", thread_index_state),
+    ("defer_selection", defer_selections),
     ("thread_slots", thread_slots),
     ("fuse_linears", fuse_sibling_linears),
 ]

@@ -3,10 +3,11 @@
 Only what the rewrite decides is printed -- the lychee ops with their inputs named by role, the index-state chain,
 and the attention left dense -- so a snapshot changes when our rewrite changes, not when Dynamo renames a node:
 
-    lychee graph v5: 3 lychee ops, 1 valid mask node, dense attention left: sdpa=0 softmax=0
+    lychee graph v6: 3 lychee ops, 1 valid mask node, dense attention left: sdpa=0 softmax=0
     linears: 13, fused products: 6 (members 3,2,3,2,3,2)
     op 0 layer=0 q=[2,4,1,16] k=past_key_values.layers.0.keys v=past_key_values.layers.0.values
          valid=valid_from_bool_mask(attention_mask) kinds=kinds_slot(state.kinds, 0) idx_in=empty(K=4) scale=0.25 block=4 ...
+    index_ready(idx_out(op 0), after=q(op 1)) before op 1
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from .graph_query import is_op, shape
 _ARG_NAMES = ("q", "k", "v", "valid", "kinds", "idx_in", "scale", "block", "sink", "local", "policy", "param")
 _HEAT_ARG_NAMES = _ARG_NAMES[:6] + ("heat",) + _ARG_NAMES[6:] + ("decay", "heat_blocks")
 _QUEST_ARG_NAMES = _ARG_NAMES[:6] + ("state", "slot") + _ARG_NAMES[6:] + ("quest", "quest_blocks")
-_ARG_NAMES = _ARG_NAMES + ("quest", "quest_blocks", "select")
+_ARG_NAMES = _ARG_NAMES + ("quest", "quest_blocks", "select", "defer")
 
 
 def _lychee_ops() -> dict:
@@ -42,18 +43,33 @@ def graph_snapshot(gm: torch.fx.GraphModule) -> str:
     layer_of = {op: i for i, op in enumerate(ops)}
     dense = {name: sum(is_op(n, name) for n in gm.graph.nodes) for name in ("sdpa", "softmax")}
     n_valid = len({op.args[3] for op in ops})          # ops share one valid node per mask (rewrite pass)
-    lines = [f"lychee graph v5: {len(ops)} lychee ops, {n_valid} valid mask node{'s' * (n_valid != 1)}, "
+    lines = [f"lychee graph v6: {len(ops)} lychee ops, {n_valid} valid mask node{'s' * (n_valid != 1)}, "
              "dense attention left: "
              + " ".join(f"{k}={v}" for k, v in dense.items()), _linears_line(gm)]
     for i, op in enumerate(ops):
         op_name, arg_names = known[op.target]
         parts = [f"{name}={_render(a, layer_of)}" for name, a in zip(arg_names, op.args)]
         lines.append(f"op {i} {op_name} layer={op.meta.get('lychee_layer')} " + " ".join(parts))
+    for n in gm.graph.nodes:
+        if n.target is torch.ops.lychee.index_ready.default:
+            after = [f"q(op {layer_of[o]})" for a in n.args[1] for o in a.users if o in layer_of and o.args[0] is a]
+            lines.append(f"index_ready({_render(n.args[0], layer_of)}, after={','.join(after) or '-'}) before "
+                         f"{_first_reader(n, layer_of)}")
     writes = [n for n in gm.graph.nodes if n.target is torch.ops.lychee.write_state.default]
     for n in writes:
         state = _render(n.args[0], layer_of)
         lines.append(f"write_state({state} <- stack of {len(n.args[1].args)} {state.split('.')[-1]} slices)")
     return "\n".join(lines) + "\n"
+
+
+def _first_reader(ready: torch.fx.Node, layer_of) -> str:
+    """The first node after `ready` that reads its index state: `op j`, or the helper's name (drop_inherited)."""
+    node = ready.next
+    while node.op != "output" and ready.args[0] not in node.all_input_nodes:
+        node = node.next
+    if node in layer_of:
+        return f"op {layer_of[node]}"
+    return getattr(node.target, "__name__", node.op)
 
 
 def _linears_line(gm: torch.fx.GraphModule) -> str:
