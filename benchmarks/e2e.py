@@ -851,6 +851,7 @@ def run_prefill(args, base, results) -> None:
 
 # ------------------------------------------------------------------------------------------------ profile
 PROFILE_CATEGORIES = [      # first match wins (lower-case substrings of the kernel / op name)
+    ("lychee select (side stream, overlapped)", ("lychee_select_rows",)),
     ("lychee combine", ("lychee_hybrid_combine", "combine")),
     ("lychee split", ("lychee_hybrid_split", "hybrid_decode", "triton_tem")),
     ("attention (flash/cuDNN/SDPA)", ("flash", "fmha", "cudnn", "attention", "sdpa", "attn")),

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from . import compat
-from .template import (COMBINE_MASS_SOURCE, COMBINE_SOURCE, SPLIT_MASS_SOURCE, SPLIT_SOURCE, interpreting,
-                       kernel_params)
+from .template import (COMBINE_MASS_SOURCE, COMBINE_SOURCE, SPLIT_MASS_SOURCE, SPLIT_SOURCE, combine_num_warps,
+                       interpreting, kernel_params)
 
 OP = torch.ops.lychee.hybrid_decode.default
 MASS_OP = torch.ops.lychee.hybrid_decode_mass.default     # heat and Quest build on it (ops/heat.py, quest_decode.py)
@@ -194,7 +194,7 @@ def _lower(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tok
     choices = []
     err = combine_t.maybe_append_choice(choices, input_nodes=combine_inputs, layout=out_layout,
                                         mutated_inputs=[idx_out, keys, cnt, *mass_out], call_sizes=[B, T],
-                                        num_stages=1, num_warps=16, **cp)
+                                        num_stages=1, num_warps=combine_num_warps(defer), **cp)
     if not choices:
         raise RuntimeError(f"lychee hybrid_decode combine template failed: {err}")
     out = compat.select_one(combine_t.name, choices, combine_inputs, out_layout)

@@ -60,6 +60,7 @@ GLOSSARY = '''
     # SPARSE_COST work units per gathered tile in the pool (a streamed retrieval tile is 1 unit; 2 measured best
     #             on the H100: BENCHMARKS.md)
     # BLSE_SUMS   0: block sums of a tile by reshape, 1: by NBT masked row sums (a tuning variant, same math)
+    # SC       partial slots the combine's merge loop reads per iteration (one load round trip each)
     # NUM_SPLITS  programs of the split launch (fixed grid, from the SM count); a segment's partials use slots
     #             [0, splits touching it) of its NUM_SPLITS-wide row
     # Q     [B, HKV*G, 1, D]  q.dtype        K, V  [B, HKV, T, D]          VALID int8 [B, T]   RETR int8 [HKV]
@@ -796,7 +797,7 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
                   scale: float, num_splits: int, nb_hint: int, block_n: int = 64, nbr_max: int = 16384,
                   blse_sums: int = 0, sparse_cost: int = 2, policy: int = 0,
                   policy_param: float = 0.0, select_tiers: tuple = (1024, 8192), mass: bool = False,
-                  extra_width: int = 0, sel_probe: int = 0, defer: bool = False):
+                  extra_width: int = 0, sel_probe: int = 0, defer: bool = False, slot_chunk: int = 64):
     """Constexpr parameters shared by both kernels (a plain dict, hashable inputs only). mass / extra_width: the
     mass variant (MASS, KX; see the glossary). sel_probe: a benchmark-only timing probe of the selection's stages
     (SEL_PROBE in the combine: 1 stops after the ticket, 2 after reloading the keys; index rows are then WRONG);
@@ -826,7 +827,7 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
         # of the kernel; compiled in, it alone set the 16-warp combine's registers (128, the cap) and an 88-byte
         # stack frame for a 128K + 256 cache (cuobjdump, sm_90)
         nbr = nr2
-    combine = dict(common, SC=64, NSP=_next_pow2(num_splits),
+    combine = dict(common, SC=int(slot_chunk), NSP=_next_pow2(num_splits),
                    KC=max(16, min(1024, _next_pow2(nb_hint))), NBR=nbr,
                    NR1=min(_next_pow2(select_tiers[0]), nbr), NR2=nr2, NRT=nrt,
                    LOWB=RANK_DROP_BITS if int(policy) == 0 else 0,      # top-k ranks 12 significant bits
@@ -927,6 +928,13 @@ def _load_module(kind: str, text: str):
     return mod
 
 
+def combine_num_warps(defer: bool) -> int:
+    """Warps of the combine launch. 16 when it selects: the top-k's register row (8K keys) wants many threads.
+    4 when it does not (DEFER): its merge and key programs are latency chains that more, smaller programs serve
+    better (H100, 128K: combine 8.0-10.8 -> 4.4-5.4 us; BENCHMARKS.md, session 11)."""
+    return 4 if defer else 16
+
+
 @functools.lru_cache(maxsize=None)
 def select_kernel():
     """The deferred selection's @triton.jit kernel lychee_select_rows (SELECT_KERNEL_SOURCE plus the selection
@@ -996,13 +1004,15 @@ def _arg_values(args, tensors):
 
 def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, out=None,
                    idx_out=None, num_splits=None, block_n=64, nbr_max=16384, ws=None, split_warps=4,
-                   split_stages=3, combine_warps=16, blse_sums=0, sparse_cost=2, select=None,
+                   split_stages=3, combine_warps=None, blse_sums=0, sparse_cost=2, select=None,
                    policy=0, policy_param=0.0, select_tiers=(1024, 8192), extra=None, with_mass=False,
-                   sel_probe=0, defer=False):
+                   sel_probe=0, defer=False, defer_launch=True, slot_chunk=64):
     """Bind both kernels to fixed buffers: returns (split(), combine(), out, idx_out, mass or None). Nothing is
     allocated per call, so the pair can be captured in a CUDA graph. extra / with_mass: the mass variant
     (lychee::hybrid_decode_mass). defer: the combine leaves the top-k to lychee_select_rows, which combine() then
-    launches right after it on the same stream (the lowering puts it on a side stream)."""
+    launches right after it on the same stream (the lowering puts it on a side stream); defer_launch=False
+    (benchmarks only: the combine's critical path alone) leaves it out, and the selecting heads' index rows
+    unwritten."""
     import torch
     B, Hq, _, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
@@ -1016,7 +1026,7 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
                            block_n=block_n, nbr_max=nbr_max, blse_sums=blse_sums, sparse_cost=sparse_cost,
                            policy=policy, policy_param=policy_param, select_tiers=tuple(select_tiers),
                            mass=with_mass or extra is not None, extra_width=0 if extra is None else extra.shape[-1],
-                           sel_probe=sel_probe, defer=defer)
+                           sel_probe=sel_probe, defer=defer, slot_chunk=slot_chunk)
     if ws is None:
         ws = workspace(B, Hkv, G, D, T, block_size, num_splits, q.device)
     mass_ws = {}
@@ -1043,11 +1053,12 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
     def split():
         ks[(num_splits,)](*v1, num_warps=split_warps, num_stages=split_stages)
 
+    warps = combine_warps or combine_num_warps(defer)
+
     def combine():
-        kc[combine_grid](*v2, num_warps=combine_warps, num_stages=1)
-        if defer:
-            launch_select(ws["KEYS"], ext["ROWLO"], ext["ROWHI"], ext["TVP"], retr8, sel8, idx_out, cp,
-                          num_warps=combine_warps)
+        kc[combine_grid](*v2, num_warps=warps, num_stages=1)
+        if defer and defer_launch:
+            launch_select(ws["KEYS"], ext["ROWLO"], ext["ROWHI"], ext["TVP"], retr8, sel8, idx_out, cp)
 
     return split, combine, out, idx_out, mass_ws.get("MASSO")
 
