@@ -170,3 +170,37 @@ def test_side_stream_in_cuda_graph():
         err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
         assert err < 1.5e-2, (step, err)
     assert deferred._SIDE, "no side stream was used"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cache,cuda_graphs", [("static", True), ("static", False), ("dynamic", False)])
+def test_deferred_model_equals_inline_on_cuda(cache, cuda_graphs):
+    """The whole compiled model (bf16, batch 2 with a left-padded row, a mixed head map, streaming heads too) with
+    the top-k on the side stream against the same model selecting inline: the same tokens, logits within bf16
+    noise (the two combines merge in another order); static cache with and without CUDA graphs, DynamicCache."""
+    from torch._dynamo.utils import counters
+    from lychee_compile import HeadMap, LycheeConfig, lychee_compile
+    from lychee_compile.api import state_of
+    from tests.harness import generate_logits
+    from tests.models import make, make_batch
+    from tests.test_sparse_semantics import mixed_map
+    ids, mask = (x.cuda() for x in make_batch(lengths=(90, 71)))
+    runs = {}
+    for defer in (True, False):
+        torch._dynamo.reset()
+        model = make("llama", "sdpa").to("cuda", torch.bfloat16)
+        retrieval = mixed_map(model)
+        streaming = torch.zeros_like(retrieval)
+        streaming[-1, -1] = not retrieval[-1, -1]        # a streaming head: its first reader is drop_inherited
+        cfg = LycheeConfig(budget=32, block_size=16, sink_tokens=16, local_tokens=16, cuda_graphs=cuda_graphs,
+                           defer_selection=defer)
+        lychee_compile(model, HeadMap(retrieval, streaming=streaming).with_model_metadata(model), cfg)
+        skips = counters["inductor"]["cudagraph_skips"]
+        runs[defer] = generate_logits(model, ids, mask, 24, cache=cache)
+        c = state_of(model).counters
+        assert (c.selections_deferred > 0) == defer
+        assert counters["inductor"]["cudagraph_skips"] == skips, "Inductor skipped CUDA graphs"
+    (seq, logits), (ref_seq, ref_logits) = runs[True], runs[False]
+    assert torch.equal(seq, ref_seq)
+    assert (logits.float() - ref_logits.float()).abs().max() < 5e-2
