@@ -44,8 +44,9 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool):
     saved 0.19-0.21 ms of a 12.4 ms step (Llama-3-8B shapes, 128K, H100, interleaved twice: BENCHMARKS.md).
     LYCHEE_COMBO_KERNELS=0 turns them off (a benchmark knob, read at compile time).
     Also on CUDA: programmatic dependent launch for Inductor's own Triton kernels (`triton.enable_pdl`, present on
-    2.11 and 2.13), so each can start while the kernel before it drains: -0.06 ms of a 7.59 ms step and of a
-    12.12 ms dense-mode step (Llama-3-8B shapes, 128K, H100, side by side: BENCHMARKS.md, session 11).
+    2.11 and 2.13), so each can start while the kernel before it drains: -0.06 to -0.10 ms of a 7.6 ms hybrid
+    step and of a 12.1 ms dense-mode step (Llama-3-8B shapes, 128K, H100, side by side in both orders:
+    BENCHMARKS.md, session 11).
     LYCHEE_PDL=0 turns it off."""
     from torch._inductor.compile_fx import compile_fx as _compile_fx
     patches = {"triton.cudagraphs": bool(cuda_graphs)}
