@@ -14,7 +14,8 @@ if not torch.cuda.is_available():  # before triton is imported anywhere
 
 triton = pytest.importorskip("triton")
 
-from lychee_compile.lowering.template import hybrid_decode_triton, interpreting, make_launchers  # noqa: E402
+from lychee_compile.lowering.template import (hybrid_decode_triton, interpreting, make_launchers,  # noqa: E402
+                                              row_extent, workspace)
 from lychee_compile.ops.deferred_select import select_rows_reference  # noqa: E402
 from lychee_compile.ops.policies import POLICIES  # noqa: E402
 from tests.test_kernel_hybrid import make_case  # noqa: E402
@@ -88,17 +89,17 @@ def test_select_kernel_matches_combine_selection_and_reference(policy, param):
     assert torch.equal(idx0, idx1)
     assert (idx1 >= -1).all()
     # the eager reference from the keys the combine wrote (make_launchers' workspace is internal: rebuild it)
-    from lychee_compile.lowering.template import row_extent, workspace
     ws = workspace(2, 4, 2, 64, 400, 16, 6, q.device)
     split, combine, _, idx2, _ = make_launchers(*args, defer=True, ws=ws, **kw)
     split()
     combine()
     ext = row_extent(valid)
-    ref = idx2.clone().fill_(-7)
-    ref[:, ~(retr & sel)] = idx2[:, ~(retr & sel)]
-    select_rows_reference(ws["KEYS"].cpu(), ref_cpu := ref.cpu(), ext["ROWLO"].cpu(), ext["ROWHI"].cpu(),
-                          ext["TVP"].cpu(), retr.cpu(), sel.cpu(), 16, 2, policy, param)
-    assert torch.equal(ref_cpu, idx2.cpu())
+    ref = idx2.cpu()
+    selecting = (retr & sel).cpu()
+    ref[:, selecting] = -7                           # the reference must write every selecting row
+    select_rows_reference(ws["KEYS"].cpu(), ref, ext["ROWLO"].cpu(), ext["ROWHI"].cpu(), ext["TVP"].cpu(),
+                          retr.cpu(), sel.cpu(), 16, 2, policy, param)
+    assert torch.equal(ref, idx2.cpu())
 
 
 def _two_layers(q, k, v, valid, retr, idx, defer):
