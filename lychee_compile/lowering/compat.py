@@ -43,17 +43,19 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool):
     layer (rotary, the K and V cache writes, ...), each a launch and a latency; combined into fewer launches they
     saved 0.19-0.21 ms of a 12.4 ms step (Llama-3-8B shapes, 128K, H100, interleaved twice: BENCHMARKS.md).
     LYCHEE_COMBO_KERNELS=0 turns them off (a benchmark knob, read at compile time).
-    Also on CUDA: programmatic dependent launch for Inductor's own Triton kernels (`triton.enable_pdl`, present on
-    2.11 and 2.13), so each can start while the kernel before it drains: -0.06 to -0.10 ms of a 7.6 ms hybrid
-    step and of a 12.1 ms dense-mode step (Llama-3-8B shapes, 128K, H100, side by side in both orders:
-    BENCHMARKS.md, session 11).
-    LYCHEE_PDL=0 turns it off."""
+    LYCHEE_PDL=1 (opt-in, CUDA): programmatic dependent launch for Inductor's own Triton kernels
+    (`triton.enable_pdl`, present on 2.11 and 2.13), so each can start while the kernel before it drains: -0.06 to
+    -0.10 ms of a 7.6 ms hybrid step and of a 12.1 ms dense-mode step (Llama-3-8B shapes, 128K, H100, side by side
+    in both orders: BENCHMARKS.md, session 11), and our GPU tests pass with it. Not the default: torch ships it off,
+    and Inductor waits for a producer only when it is the kernel just before (a kernel that reads an older one's
+    output does not wait); whether the hardware's ordering makes that always safe is not established here, and a
+    race would be a silent wrong answer."""
     from torch._inductor.compile_fx import compile_fx as _compile_fx
     patches = {"triton.cudagraphs": bool(cuda_graphs)}
     on_cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
     if on_cuda and os.environ.get("LYCHEE_COMBO_KERNELS", "1") != "0":
         patches["combo_kernels"] = True
-    if on_cuda and os.environ.get("LYCHEE_PDL", "1") != "0" and hasattr(inductor_config.triton, "enable_pdl"):
+    if on_cuda and os.environ.get("LYCHEE_PDL", "0") == "1" and hasattr(inductor_config.triton, "enable_pdl"):
         patches["triton.enable_pdl"] = True
     return _compile_fx(gm, example_inputs, config_patches=patches)
 
