@@ -37,8 +37,15 @@ for G, Hkv, D, K, dt, nb, policy, param, *kx in json.loads(sys.argv[1]):
                            mass=bool(kx), extra_width=kx[0] if kx else 0)
     a = cross_compile("split", sp, dtype=dt, num_warps=4, num_stages=3)
     b = cross_compile("combine", cp, dtype=dt, num_warps=8, num_stages=1)
-    res.append(dict(split_ptx=a.asm["ptx"], combine_ptx=b.asm["ptx"], split_cubin=len(a.asm["cubin"]),
-                    combine_cubin=len(b.asm["cubin"]), split_smem=a.metadata.shared))
+    r = dict(split_ptx=a.asm["ptx"], combine_ptx=b.asm["ptx"], split_cubin=len(a.asm["cubin"]),
+             combine_cubin=len(b.asm["cubin"]), split_smem=a.metadata.shared)
+    if not kx:    # the deferred selection: the combine without the top-k (4 warps) and lychee_select_rows (16)
+        _, cd = kernel_params(G=G, Hkv=Hkv, D=D, K_sel=K, block_size=16, sink_tokens=16, local_tokens=64,
+                              scale=D ** -0.5, num_splits=264, nb_hint=nb, policy=policy, policy_param=param,
+                              defer=True)
+        r["deferred_combine_ptx"] = cross_compile("combine", cd, dtype=dt, num_warps=4, num_stages=1).asm["ptx"]
+        r["select_ptx"] = cross_compile("select", cd, num_warps=16, num_stages=1).asm["ptx"]
+    res.append(r)
 print("RESULT" + json.dumps(res))
 """
 
@@ -64,3 +71,9 @@ def test_cross_compile_sm90():
             assert "div.rn.f32" in r["combine_ptx"]
         if policy in (1, 3):   # topp's tie count and ratio's ceil(theta * valid blocks) round towards zero
             assert "cvt.rzi.s32.f32" in r["combine_ptx"]
+        if "select_ptx" in r:
+            # DEFER: no ticket (the top-k's atomic) in the combine; the top-k kernel's block-wide counting passes
+            assert "atom.global" not in r["deferred_combine_ptx"] and ".target sm_90" in r["select_ptx"]
+            assert "bar.sync" in r["select_ptx"] and "atom.global" not in r["select_ptx"]
+            if policy in (1, 3):
+                assert "cvt.rzi.s32.f32" in r["select_ptx"]

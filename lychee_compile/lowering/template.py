@@ -1088,11 +1088,22 @@ def hybrid_decode_triton(q, k, v, valid, retrieval, idx_in, scale, block_size, s
 
 def cross_compile(kind: str, constexprs: dict, dtype: str = "bf16", num_warps: int = 4, num_stages: int = 3,
                   arch: int = 90):
-    """Compile one kernel configuration for CUDA sm_`arch` without a GPU (triton's bundled ptxas). Returns the
+    """Compile one kernel configuration for CUDA sm_`arch` without a GPU (triton's bundled ptxas); kind "split",
+    "combine" or "select" (the deferred top-k, lychee_select_rows, from the combine's constexprs). Returns the
     CompiledKernel (asm["ptx"], asm["cubin"], n_regs, n_spills). Must run without TRITON_INTERPRET."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if kind == "select":     # lychee_select_rows: explicit arguments, the selection constexprs by name
+        names = ("KEYS", "ROWLO", "ROWHI", "TVP", "RETR", "SEL", "IDXO")
+        types = ("*i32", "*i32", "*i32", "*i32", "*i8", "*i8", "*i32")
+        signature = dict(zip(names, types), NB="i32", stride_ob="i32", stride_oh="i32", stride_ok="constexpr",
+                         **{c: "constexpr" for c in SELECT_CONSTEXPRS})
+        consts = dict({c: constexprs[c] for c in SELECT_CONSTEXPRS}, stride_ok=1)
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(names))}
+        src = ASTSource(select_kernel(), signature, constexprs=consts, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     fn, args, _ = render_standalone(kind, dict(constexprs, DOT_UPCAST=False) if kind == "split" else constexprs)
     ptr_types = {"Q": dtype, "K": dtype, "V": dtype, "VALID": "i8", "ROWLO": "i32", "ROWHI": "i32", "TVP": "i32",
                  "RETR": "i8", "SEL": "i8", "IDX": "i32", "IDXO": "i32", "KEYS": "i32", "CNT": "i32", "PM": "fp32",
@@ -1112,5 +1123,4 @@ def cross_compile(kind: str, constexprs: dict, dtype: str = "bf16", num_warps: i
             if a.startswith("stride_"):   # outer strides: multiples of 16 elements for D in (64, 128, 256)
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps,
-                                                                                    num_stages=num_stages))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
