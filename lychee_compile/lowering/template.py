@@ -6,7 +6,7 @@
   `@triton.jit` kernel with explicit size/stride arguments. That is what the TRITON_INTERPRET=1 tests, the sm_90
   cross-compile checks and the benchmark's "kernel only" timing run. One source, so both paths run the same math.
 
-Two launches per layer:
+Two launches per layer (three with DEFER):
   1. SPLIT  grid (NUM_SPLITS,): flash-decoding over a pooled work list. Every (row b, KV head h) is a segment of
      BLOCK_N-token tiles: a retrieval head's segment is [0, TV) of its cache, streamed contiguously (addresses from
      the tile number; the row's range [lo, hi) masks it, so tiles outside it move no KV bytes); a sparse head's
@@ -21,6 +21,9 @@ Two launches per layer:
      the selection policy (POLICY, PARAM: topk / topp / threshold / ratio, ops/policies.py) how many candidates n
      <= KSEL to keep and selects the top n exactly (counting passes over the fp32 bit pattern, ties to the lower
      block), sorted ascending, EMPTY-padded; for a sparse head program (seg, G) copies its index row through.
+  3. DEFER = 1 only (hybrid_decode(defer_select=True), the default in compiled models): the combine stops after
+     writing the keys (4 warps, no ticket), and SELECT = lychee_select_rows (SELECT_KERNEL_SOURCE, grid (B * HKV,),
+     the same selection helpers) does the top-n, launched by lychee::select_rows on a side stream (deferred.py).
 
 Preconditions (documented, not checked on the device): each row's valid positions are one contiguous range
 (left padding: [pad_b, pos+1)); idx_in rows hold distinct blocks (the index-state invariant).
