@@ -946,10 +946,12 @@ def select_kernel():
     return _load_module("select", text).lychee_select_rows
 
 
+@functools.lru_cache(maxsize=None)
 def selection_constexprs(*, G: int, Hkv: int, K_sel: int, block_size: int, nb_hint: int, policy: int,
                          policy_param: float) -> dict:
     """The combine's selection constexprs (SELECT_CONSTEXPRS) for these shapes: what lychee_select_rows takes.
-    The attention-only parameters of kernel_params do not change them (neutral values below)."""
+    The attention-only parameters of kernel_params do not change them (neutral values below). Cached: without
+    CUDA graphs every decode step and layer asks (the returned dict is shared: read it only)."""
     _, cp = kernel_params(G=G, Hkv=Hkv, D=16, K_sel=K_sel, block_size=block_size, sink_tokens=0, local_tokens=0,
                           scale=1.0, num_splits=1, nb_hint=nb_hint, policy=policy, policy_param=policy_param)
     return {c: cp[c] for c in SELECT_CONSTEXPRS}

@@ -1,6 +1,6 @@
 """Op schemas (torch.library, namespace `lychee`), fake implementations and eager references."""
-from . import deferred_select, heat, quest_decode, state  # noqa: F401  (registers lychee::hybrid_decode_heat, hybrid_decode_quest,
-#                                          bind_state, write_state, select_rows, index_ready)
+# registers lychee::select_rows, index_ready, hybrid_decode_heat, hybrid_decode_quest, bind_state, write_state
+from . import deferred_select, heat, quest_decode, state  # noqa: F401
 from .dense_decode import dense_decode, dense_decode_reference  # noqa: F401
 from .hybrid_decode import hybrid_decode, hybrid_decode_op  # noqa: F401  (registers the op)
 from .index_state import EMPTY, INDEX_DTYPE, empty_index_state  # noqa: F401

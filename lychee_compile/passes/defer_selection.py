@@ -1,11 +1,11 @@
 """Pass `defer_selection`: take each retrieval head's top-k off the critical path (ops/deferred_select.py says why).
 
 For every lychee::hybrid_decode op whose index state someone reads (every global layer but the last), the op gets
-`defer_select=True` and `lychee::index_ready(idx_out, [])` goes in right before the first node that reads idx_out
-(in practice the next global layer's op, or its drop_inherited). index_ready formally mutates idx_out, so
-functionalization orders every later read after it; it also takes the tensor computed just before that reader
-(the next layer's rotated q, say) as an input, so no scheduler can hoist it: everything between the op and its
-first reader (o_proj, the MLP, the next layer's q/k/v products) overlaps the selection.
+`defer_select=True` and `lychee::index_ready(idx_out, [q of the next global layer's op])` goes in right before the
+first node that reads idx_out (in practice the next op, or its drop_inherited). index_ready formally mutates
+idx_out, so functionalization orders every later read after it; holding the next layer's q makes it depend on
+that, so no scheduler can hoist it: everything between the op and its first reader (o_proj, the MLP, the next
+layer's q/k/v products) overlaps the selection.
 Ops whose index state nobody reads (the last layer) and the heat / Quest composites (their selection is plain
 tensor ops, or the mass variant's combine) are left alone. LycheeConfig.defer_selection=False turns the pass off.
 """
