@@ -138,6 +138,9 @@ def parse_args(argv=None):
     ap.add_argument("--inductor", action="append", default=[], metavar="KEY=JSON",
                     help="set torch._inductor.config KEY to the JSON value for every compiled row, e.g. "
                          "combo_kernels=true (a tuning experiment; recorded in the JSON's meta)")
+    ap.add_argument("--lychee", action="append", default=[], metavar="KEY=JSON",
+                    help="set LycheeConfig KEY to the JSON value for every lychee row, e.g. row_linears=true (an "
+                         "experiment; recorded in the JSON's meta)")
     ap.add_argument("--blas", choices=["default", "cublas", "cublaslt"], default="default",
                     help="torch.backends.cuda.preferred_blas_library for the whole run (every row's GEMMs; a "
                          "tuning experiment; recorded in the JSON's meta)")
@@ -551,7 +554,17 @@ def lychee_config(args, kind: str, budget: int):
         kw["cuda_graphs"] = True              # preflight() checked that this checkout has the field
     if kind == "flash_dense":
         kw["attention"] = "flash_dense"
+    kw.update(lychee_overrides(args))
     return LycheeConfig(**kw)
+
+
+def lychee_overrides(args) -> dict:
+    """--lychee KEY=JSON pairs as LycheeConfig keyword arguments."""
+    out = {}
+    for item in getattr(args, "lychee", []):
+        key, _, val = item.partition("=")
+        out[key] = json.loads(val)
+    return out
 
 
 def build_variant(args, base, kind: str, budget: int) -> Variant:
@@ -887,6 +900,27 @@ def profile_events(prof, cuda: bool) -> list[tuple[str, float, int]]:
     return out
 
 
+def kernel_timeline(prof, steps: int) -> list[dict]:
+    """The last profiled step's device kernels in start order: name, stream, start and duration (us), and the gap
+    since the previous kernel on the main stream ended -- where a step's time goes kernel by kernel."""
+    evs = sorted((e for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    per_step = len(evs) // max(steps, 1)
+    last = evs[len(evs) - per_step:]
+    if not last:
+        return []
+    t0, out, prev_end = last[0].time_range.start, [], None
+    main = getattr(last[0], "device_resource_id", None)
+    for e in last:
+        stream = getattr(e, "device_resource_id", None)
+        gap = None if prev_end is None or stream != main else e.time_range.start - prev_end
+        out.append(dict(name=e.name[:100], stream=stream, start_us=e.time_range.start - t0,
+                        dur_us=e.time_range.end - e.time_range.start, gap_us=gap))
+        if stream == main:
+            prev_end = e.time_range.end
+    return out
+
+
 def run_profile(args, base, results) -> None:
     row, ctx, steps = args.profile_row, args.profile_ctx, args.profile_steps
     batch = args.batches[0]
@@ -930,6 +964,7 @@ def run_profile(args, base, results) -> None:
                            for c, t in sorted(cats.items(), key=lambda kv: -kv[1])],
                top=[dict(name=n, category=kernel_category(n), ms_per_step=t / 1e3 / steps, calls_per_step=k / steps,
                          share=t / total) for n, t, k in sorted(events, key=lambda x: -x[1])[:30]])
+    rec["timeline"] = kernel_timeline(prof, steps) if cuda else []
     results["profile"] = rec
     print(profile_table(rec), flush=True)
     write_json(args, results)
@@ -1237,6 +1272,7 @@ def main(argv=None) -> int:
         return 0
     env = setup_environment(args)
     env["inductor_config"] = apply_inductor_config(args.inductor)
+    env["lychee_config"] = lychee_overrides(args)
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
     env["blas"] = str(torch.backends.cuda.preferred_blas_library())
