@@ -101,6 +101,23 @@ def _check(out, idx, args, layer=_layer):
     assert torch.equal(idx.cpu(), ri)
 
 
+def test_inductor_patches_tune_one_row_products_on_cuda_only():
+    # On CUDA, coordinate-descent tuning is on: with it Inductor decomposes a one-row mm (batch-1 decode linears)
+    # into a multiply-reduce it generates, fuses and tunes (compat.compile_fx says why; BENCHMARKS.md session 12).
+    # Off on CPU, and LYCHEE_TUNE=0 turns it off (a benchmark knob).
+    import inspect
+
+    import torch._inductor.decomposition as decomp
+    from lychee_compile.lowering.compat import inductor_patches
+    assert inductor_patches(True, True, env={}) == {"triton.cudagraphs": True, "combo_kernels": True,
+                                                     "coordinate_descent_tuning": True}
+    assert inductor_patches(False, False, env={}) == {"triton.cudagraphs": False}
+    assert "coordinate_descent_tuning" not in inductor_patches(True, False, env={"LYCHEE_TUNE": "0"})
+    # the decomposition that makes the products reductions is keyed on this very flag in this torch
+    src = inspect.getsource(decomp)
+    assert "config.coordinate_descent_tuning" in src and "(self.unsqueeze(2) * input2.unsqueeze(0)).sum(dim=1)" in src
+
+
 def test_register_is_idempotent():
     register()
     register()
