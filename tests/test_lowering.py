@@ -104,7 +104,7 @@ def _check(out, idx, args, layer=_layer):
 def test_inductor_patches_tune_one_row_products_on_cuda_only():
     # On CUDA, coordinate-descent tuning is on: with it Inductor decomposes a one-row mm (batch-1 decode linears)
     # into a multiply-reduce it generates, fuses and tunes (compat.compile_fx says why; BENCHMARKS.md session 12).
-    # Off on CPU, and LYCHEE_TUNE=0 turns it off (a benchmark knob).
+    # Off on CPU, with LycheeConfig(tune_kernels=False), and with LYCHEE_TUNE=0 (a benchmark knob).
     import inspect
 
     import torch._inductor.decomposition as decomp
@@ -113,6 +113,7 @@ def test_inductor_patches_tune_one_row_products_on_cuda_only():
                                                      "coordinate_descent_tuning": True}
     assert inductor_patches(False, False, env={}) == {"triton.cudagraphs": False}
     assert "coordinate_descent_tuning" not in inductor_patches(True, False, env={"LYCHEE_TUNE": "0"})
+    assert "coordinate_descent_tuning" not in inductor_patches(True, False, tune=False, env={})
     # the decomposition that makes the products reductions is keyed on this very flag in this torch
     src = inspect.getsource(decomp)
     assert "config.coordinate_descent_tuning" in src and "(self.unsqueeze(2) * input2.unsqueeze(0)).sum(dim=1)" in src
@@ -427,3 +428,23 @@ def test_quest_state_is_updated_in_place_without_a_copy(inductor_triton_on_cpu, 
         assert f"xnumel = {whole}\n" not in code and f"xnumel = {slot}\n" not in code
         assert "write_state" not in code
     assert_state_is_fresh(model, state, cache, cache_valid(cache, mask, ids.shape[1] + steps - 1), block_size=bs)
+
+
+def test_tune_kernels_reaches_inductor(monkeypatch):
+    # LycheeConfig.tune_kernels is what compile_fx is told (compat.inductor_patches turns it into Inductor's
+    # coordinate-descent tuning on CUDA); the config rejects a non-bool. Inductor itself is stubbed out here.
+    from lychee_compile import LycheeConfig
+    from lychee_compile.config import LycheeConfigError
+    from lychee_compile.lowering import compat
+    from tests.harness import compiled, generate_logits
+    from tests.models import make_batch
+    seen = []
+    monkeypatch.setattr(compat, "compile_fx", lambda gm, ex, cuda_graphs, tune: (seen.append(tune), gm.forward)[1])
+    ids, mask = make_batch(lengths=(9,))
+    for tune in (True, False):
+        model, state = compiled("llama", "sdpa", backend="inductor", tune_kernels=tune, budget=8, block_size=4,
+                                sink_tokens=4, local_tokens=4)
+        generate_logits(model, ids, mask, steps=2)
+        assert state.counters.decode_graphs == 1 and seen[-1] is tune
+    with pytest.raises(LycheeConfigError, match="tune_kernels must be a bool"):
+        LycheeConfig(tune_kernels=1)

@@ -34,7 +34,7 @@ __all__ = ["CHECKED_VERSIONS", "TORCH_VERSION", "inductor_config", "ir", "empty_
            "graph_memo"]
 
 
-def compile_fx(gm, example_inputs, cuda_graphs: bool):
+def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
     """Inductor on a Dynamo graph, optionally with CUDA graphs (cudagraph trees, as mode="reduce-overhead" does).
     Called inside Dynamo's backend call, so Dynamo's record of static inputs (parameters, the static cache, our
     state buffers marked static) reaches the cudagraph wrapper.
@@ -51,25 +51,27 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool):
     output does not wait); whether the hardware's ordering makes that always safe is not established here, and a
     race would be a silent wrong answer.
 
-    On CUDA, Inductor's coordinate-descent tuning is on (`coordinate_descent_tuning`, on 2.11 and 2.13). With it,
+    On CUDA with `tune` (LycheeConfig.tune_kernels, default True), Inductor's coordinate-descent tuning is on
+    (`coordinate_descent_tuning`, on 2.11 and 2.13). With it,
     Inductor's own decomposition turns a one-row matrix product (batch-1 decode: every linear) into a multiply-reduce
     that it generates in Triton, fuses with its neighbours (the RMSNorm scale into q/k/v and gate/up, SiLU * up into
     down_proj, the residual add) and tunes by timing; no cuBLAS call and no split-K reduce kernel is left in the
     step. Measured (Llama-3-8B shapes, 128K, H100, side by side): hybrid 12.5%/4096 7.70 -> 7.16 ms, dense mode
-    12.23 -> 11.69 ms; the first compile of the 32-layer step 41 -> 73 s (the tuning runs kernels). A tuned
-    reduction may sum in a different order from one compile to the next: values agree to rounding, not bit for bit.
-    LYCHEE_TUNE=0 turns it off (a benchmark knob, read at compile time)."""
+    12.14 -> 11.69 ms; the first compile of the 32-layer step 41-43 -> 73-92 s, cold caches (the tuning compiles and
+    times kernel variants; Inductor caches what it found). A tuned reduction may sum in a different order from one
+    compile to the next: values agree to rounding, not bit for bit. LYCHEE_TUNE=0 also turns it off (a benchmark
+    knob, read at compile time)."""
     from torch._inductor.compile_fx import compile_fx as _compile_fx
     on_cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
-    return _compile_fx(gm, example_inputs, config_patches=inductor_patches(on_cuda, cuda_graphs))
+    return _compile_fx(gm, example_inputs, config_patches=inductor_patches(on_cuda, cuda_graphs, tune))
 
 
-def inductor_patches(on_cuda: bool, cuda_graphs: bool, env=os.environ) -> dict:
+def inductor_patches(on_cuda: bool, cuda_graphs: bool, tune: bool = True, env=os.environ) -> dict:
     """The Inductor config patches of compile_fx (its docstring says why each)."""
     patches = {"triton.cudagraphs": bool(cuda_graphs)}
     if on_cuda and env.get("LYCHEE_COMBO_KERNELS", "1") != "0":
         patches["combo_kernels"] = True
-    if on_cuda and env.get("LYCHEE_TUNE", "1") != "0":
+    if on_cuda and tune and env.get("LYCHEE_TUNE", "1") != "0":
         patches["coordinate_descent_tuning"] = True
     if on_cuda and env.get("LYCHEE_PDL", "0") == "1" and hasattr(inductor_config.triton, "enable_pdl"):
         patches["triton.enable_pdl"] = True
