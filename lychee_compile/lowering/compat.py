@@ -52,11 +52,11 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
     race would be a silent wrong answer.
 
     On CUDA with `tune` (LycheeConfig.tune_kernels, default True), Inductor's coordinate-descent tuning is on
-    (`coordinate_descent_tuning`, on 2.11 and 2.13). With it,
-    Inductor's own decomposition turns a one-row matrix product (batch-1 decode: every linear) into a multiply-reduce
-    that it generates in Triton, fuses with its neighbours (the RMSNorm scale into q/k/v and gate/up, SiLU * up into
-    down_proj, the residual add) and tunes by timing; no cuBLAS call and no split-K reduce kernel is left in the
-    step. Measured (Llama-3-8B shapes, 128K, H100, side by side): hybrid 12.5%/4096 7.70 -> 7.16 ms, dense mode
+    (`coordinate_descent_tuning`, on 2.11 and 2.13). With it, Inductor's own decomposition turns a one-row matrix
+    product (batch-1 decode: every linear) into a multiply-reduce that it generates in Triton, fuses with its
+    neighbours (the RMSNorm scale into q/k/v and gate/up, SiLU * up into down_proj, the residual add) and tunes by
+    timing; no cuBLAS call and no split-K reduce kernel is left in the step. Measured (Llama-3-8B shapes, 128K, H100,
+    side by side in one call: BENCHMARKS.md, session 12): hybrid 12.5%/4096 7.60 -> 7.16 ms, dense mode
     12.14 -> 11.69 ms; the first compile of the 32-layer step 41-43 -> 73-92 s, cold caches (the tuning compiles and
     times kernel variants; Inductor caches what it found). A tuned reduction may sum in a different order from one
     compile to the next: values agree to rounding, not bit for bit. LYCHEE_TUNE=0 also turns it off (a benchmark
