@@ -47,9 +47,14 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
     (`triton.enable_pdl`, present on 2.11 and 2.13), so each can start while the kernel before it drains: -0.06 to
     -0.10 ms of a 7.6 ms hybrid step and of a 12.1 ms dense-mode step (Llama-3-8B shapes, 128K, H100, side by side
     in both orders: BENCHMARKS.md, session 11), and our GPU tests pass with it. Not the default: torch ships it off,
-    and Inductor waits for a producer only when it is the kernel just before (a kernel that reads an older one's
-    output does not wait); whether the hardware's ordering makes that always safe is not established here, and a
-    race would be a silent wrong answer.
+    and Inductor makes a kernel wait (griddepcontrol.wait) before an access only when the node just before it
+    writes what it reads (or touches what it writes). What reading both versions' codegen showed (session 12;
+    codegen/triton.py _handle_pdl_*, scheduler.previous_node) and what would make that enough: every PDL kernel
+    waits before it lets its dependents launch (the wait is emitted ahead of gdc_launch_dependents), so when a
+    kernel starts early every kernel before its predecessor has finished; after a template or extern kernel (ours,
+    cuBLAS) previous_node is None and the next kernel waits before its first access; a combo kernel's parts are
+    checked against the node before the combo. Not measured together with tune_kernels, and a race would be a
+    silent wrong answer: it stays opt-in until a GPU session checks both.
 
     On CUDA with `tune` (LycheeConfig.tune_kernels, default True), Inductor's coordinate-descent tuning is on
     (`coordinate_descent_tuning`, on 2.11 and 2.13). With it, Inductor's own decomposition turns a one-row matrix
