@@ -1,0 +1,85 @@
+"""Can a decode step's products at a few rows (batch 2-4) run as Inductor reductions, as batch 1's do? A probe for
+issue 8's H200 batch-4 target (BENCHMARKS.md, session 12): not part of the library.
+
+At batch 1 LycheeConfig.tune_kernels lets Inductor decompose every one-row product into a multiply-reduce that it
+fuses and tunes (7.60 -> 7.16 ms a step at 128K on an H100). Its decomposition stops at one row, so at batch 4 every
+product stays a cuBLAS call. Written the plain way for M rows, `(x[:, None, :] * W[None]).sum(-1)`, consecutive
+outputs share a row of x and read different rows of W, so W would come from DRAM M times. Laid out [N, M] instead,
+`(W[:, None, :] * x[None]).sum(-1).t()`, the M outputs of one weight row are neighbours and W is read once.
+
+For each Llama-3-8B product (the shapes after fuse_linears) and M in --ms: cuBLAS (F.linear), and both layouts
+compiled by Inductor with coordinate-descent tuning. Timed as CUDA-graph replays rotating over weight copies (each call
+reads W from DRAM); "% copy" against a device-to-device copy measured in the same run; every compiled result checked
+against F.linear first (relative error).
+
+    python benchmarks/small_m_probe.py [--ms 1,2,4] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention_bench import time_calls  # noqa: E402  (a script beside this one; benchmarks/ is no package)
+
+SHAPES = {"qkv (fused)": (6144, 4096), "o_proj": (4096, 4096), "gate_up (fused)": (28672, 4096),
+          "down": (4096, 14336), "lm_head": (128256, 4096)}
+
+
+def rows_major(x, w):          # [M, N]: outputs of one x row are neighbours
+    return (x[:, None, :].float() * w[None].float()).sum(-1).to(x.dtype)
+
+
+def weight_major(x, w):        # [N, M] then transposed: the M outputs of one weight row are neighbours
+    return (w[:, None, :].float() * x[None].float()).sum(-1).t().to(x.dtype)
+
+
+def copy_rate() -> float:
+    a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / (time_calls([lambda: b.copy_(a)]) * 1e-3)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="1,2,4")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    import torch._inductor.config as ic
+    ic.coordinate_descent_tuning = True
+    bw = copy_rate()
+    dev = torch.cuda.get_device_name()
+    print(f"device {dev}; copy {bw / 1e12:.3f} TB/s", flush=True)
+    res = dict(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), device=dev, torch=torch.__version__,
+               copy_TBps=bw / 1e12, rows=[])
+    fns = {"rows_major": torch.compile(rows_major), "weight_major": torch.compile(weight_major)}
+    for name, (n, k) in SHAPES.items():
+        copies = max(2, int(400e6 // (n * k * 2)) + 1)        # > L2 (50 MB) in total, rotated
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        for m in [int(v) for v in args.ms.split(",")]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x, ws[0]).float()
+            row = dict(product=name, N=n, K=k, M=m, floor_us=(n * k * 2) / bw * 1e6)
+            row["cublas_us"] = time_calls([lambda w=w: F.linear(x, w) for w in ws]) * 1e3
+            for fname, fn in fns.items():
+                got = fn(x, ws[0]).float()
+                row[f"{fname}_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+                assert row[f"{fname}_rel_err"] < 2e-2, (name, m, fname, row[f"{fname}_rel_err"])
+                row[f"{fname}_us"] = time_calls([lambda w=w, f=fn: f(x, w) for w in ws]) * 1e3
+            res["rows"].append(row)
+            print(f"{name:16s} M={m} floor {row['floor_us']:7.1f} us | cuBLAS {row['cublas_us']:7.1f} | rows-major "
+                  f"{row['rows_major_us']:7.1f} | weight-major {row['weight_major_us']:7.1f} us", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "small_m_probe.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
