@@ -139,8 +139,8 @@ def parse_args(argv=None):
                     help="set torch._inductor.config KEY to the JSON value for every compiled row, e.g. "
                          "combo_kernels=true (a tuning experiment; recorded in the JSON's meta)")
     ap.add_argument("--lychee", action="append", default=[], metavar="KEY=JSON",
-                    help="set LycheeConfig KEY to the JSON value for every lychee row, e.g. row_linears=true (an "
-                         "experiment; recorded in the JSON's meta)")
+                    help="set LycheeConfig KEY to the JSON value for every row compiled by lychee_compile (flash_dense "
+                         "too), e.g. tune_kernels=false (an experiment; recorded in the JSON's meta)")
     ap.add_argument("--blas", choices=["default", "cublas", "cublaslt"], default="default",
                     help="torch.backends.cuda.preferred_blas_library for the whole run (every row's GEMMs; a "
                          "tuning experiment; recorded in the JSON's meta)")
