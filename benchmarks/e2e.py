@@ -559,11 +559,26 @@ def lychee_config(args, kind: str, budget: int):
 
 
 def lychee_overrides(args) -> dict:
-    """--lychee KEY=JSON pairs as LycheeConfig keyword arguments."""
-    out = {}
-    for item in getattr(args, "lychee", []):
-        key, _, val = item.partition("=")
-        out[key] = json.loads(val)
+    """--lychee KEY=JSON pairs as LycheeConfig keyword arguments (unknown fields refused here, not at the first row)."""
+    import dataclasses
+
+    from lychee_compile import LycheeConfig
+    fields = {f.name for f in dataclasses.fields(LycheeConfig)}
+    out = dict(key_json_pairs(getattr(args, "lychee", []), "--lychee"))
+    unknown = sorted(set(out) - fields)
+    if unknown:
+        raise BenchError(f"--lychee: LycheeConfig has no field {unknown}; fields: {sorted(fields)}")
+    return out
+
+
+def key_json_pairs(items: list[str], flag: str) -> list[tuple[str, object]]:
+    """KEY=JSON command-line pairs -> [(key, value)]."""
+    out = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise BenchError(f"{flag} {item}: expected KEY=JSON")
+        out.append((key, json.loads(value)))
     return out
 
 
@@ -1250,16 +1265,15 @@ def apply_inductor_config(pairs: list[str]) -> dict:
     """--inductor KEY=JSON: global Inductor settings (every row's compile sees them, ours and the baselines')."""
     import torch._inductor.config as inductor_config
     applied = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
+    for key, value in key_json_pairs(pairs, "--inductor"):
         obj, name = inductor_config, key
         while "." in name:
             head, name = name.split(".", 1)
             obj = getattr(obj, head)
         if not hasattr(obj, name):
-            raise BenchError(f"--inductor {pair}: torch._inductor.config has no {key}")
-        setattr(obj, name, json.loads(value))
-        applied[key] = json.loads(value)
+            raise BenchError(f"--inductor {key}: torch._inductor.config has no {key}")
+        setattr(obj, name, value)
+        applied[key] = value
     return applied
 
 

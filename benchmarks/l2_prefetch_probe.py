@@ -30,7 +30,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_bench import time_calls  # noqa: E402  (a script beside this one; benchmarks/ is no package)
+from attention_bench import measure_copy_bw, time_calls  # noqa: E402  (a script beside this one; benchmarks/ is no package)
 
 
 @triton.jit
@@ -91,13 +91,6 @@ def graph_time(body, reps: int) -> float:
     return time_calls([lambda r=r: body(r) for r in range(reps)], reps=30) * 1e3
 
 
-def copy_rate() -> float:
-    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    t = graph_time(lambda r: y.copy_(x), 10)
-    return 2 * x.numel() / (t * 1e-6)
-
-
 def attention_setup(T=131072, retr=1, budget=4096):
     from lychee_compile.lowering.template import make_launchers
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -122,7 +115,7 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
-    bw = copy_rate()
+    bw = measure_copy_bw()
     print(f"device {dev}; copy {bw / 1e12:.3f} TB/s", flush=True)
     res = dict(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), device=dev, torch=torch.__version__,
                triton=triton.__version__, copy_TBps=bw / 1e12, rows=[])

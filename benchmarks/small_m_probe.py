@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_bench import time_calls  # noqa: E402  (a script beside this one; benchmarks/ is no package)
+from attention_bench import measure_copy_bw, time_calls  # noqa: E402  (a script beside this one; benchmarks/ is no package)
 
 SHAPES = {"qkv (fused)": (6144, 4096), "o_proj": (4096, 4096), "gate_up (fused)": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}
@@ -40,12 +40,6 @@ def weight_major(x, w):        # [N, M] then transposed: the M outputs of one we
     return (w[:, None, :].float() * x[None].float()).sum(-1).t().to(x.dtype)
 
 
-def copy_rate() -> float:
-    a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() / (time_calls([lambda: b.copy_(a)]) * 1e-3)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,2,4")
@@ -53,7 +47,7 @@ def main():
     args = ap.parse_args()
     import torch._inductor.config as ic
     ic.coordinate_descent_tuning = True
-    bw = copy_rate()
+    bw = measure_copy_bw()
     dev = torch.cuda.get_device_name()
     print(f"device {dev}; copy {bw / 1e12:.3f} TB/s", flush=True)
     res = dict(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), device=dev, torch=torch.__version__,

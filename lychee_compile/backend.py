@@ -28,7 +28,7 @@ def make_backend(model, config, retrieval: torch.Tensor, streaming: torch.Tensor
         log.info("lychee_compile: graph %d (%s): %d sites%s; %d rewritten in total", counters.graphs,
                  "decode" if ctx.is_decode else "prefill", len(ctx.sites), _site_kinds(ctx),
                  counters.sites_rewritten)
-        compiled = gm.forward if config.backend == "eager" else _inductor(gm, example_inputs, config.cuda_graphs, config.tune_kernels)
+        compiled = gm.forward if config.backend == "eager" else _inductor(gm, example_inputs, config)
         if not (ctx.is_decode and not ctx.aborted):
             return compiled
 
@@ -51,8 +51,8 @@ def _site_kinds(ctx) -> str:
     return f": layers {rewritten} rewritten, sliding-window layers {sliding} left as they are"
 
 
-def _inductor(gm, example_inputs, cuda_graphs: bool, tune: bool):
+def _inductor(gm, example_inputs, config):
     from . import lowering
     from .lowering import compat
     lowering.register()
-    return compat.compile_fx(gm, example_inputs, cuda_graphs, tune)
+    return compat.compile_fx(gm, example_inputs, config.cuda_graphs, config.tune_kernels)
