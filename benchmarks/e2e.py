@@ -662,8 +662,9 @@ def first_call(variant: Variant, cache, args, batch: int) -> dict:
     loop = DecodeLoop(variant.model, forward, cache, batch, variant.model.config.vocab_size, args.device)
     loop.start(args.context_list[0])
     before = dynamo_counts()
+    phases = CompilePhases()
     reset_peak(args.device)
-    with torch.no_grad():
+    with torch.no_grad(), phases:
         t0 = time.perf_counter()
         loop.step()
         sync(args.device)
@@ -673,7 +674,42 @@ def first_call(variant: Variant, cache, args, batch: int) -> dict:
         t2 = time.perf_counter()
     variant.forward = forward
     return dict(compile_s=t1 - t0, second_call_s=t2 - t1, compile_counts=delta(dynamo_counts(), before),
-                compile_peak_gb=memory_now(args.device)["peak_gb"])
+                compile_peak_gb=memory_now(args.device)["peak_gb"], compile_phases=phases.result)
+
+
+class CompilePhases:
+    """Where a compile's seconds went: the lychee pass pipeline (timed around backend.run_passes), Dynamo's and
+    Inductor's own `dynamo_timed` phases (torch._dynamo.utils.compilation_time_metrics, nested: they overlap, so they
+    do not add up), and how many kernel variants Inductor's coordinate-descent tuning compiled and timed."""
+
+    TOP = 14
+
+    def __enter__(self):
+        from torch._dynamo.utils import compilation_time_metrics, counters
+        import lychee_compile.backend as backend
+        self._metrics, self._counters, self._backend = compilation_time_metrics, counters, backend
+        self._seen = {k: len(v) for k, v in compilation_time_metrics.items()}
+        self._bench0 = counters["inductor"].get("coordesc_tuning_bench", 0)
+        self._passes_s, run = [0.0], backend.run_passes
+
+        def timed_run_passes(ctx):
+            t = time.perf_counter()
+            try:
+                return run(ctx)
+            finally:
+                self._passes_s[0] += time.perf_counter() - t
+        backend.run_passes, self._run = timed_run_passes, run
+        return self
+
+    def __exit__(self, *exc):
+        self._backend.run_passes = self._run
+        new = {k: sum(v[self._seen.get(k, 0):]) for k, v in self._metrics.items()}
+        top = sorted(((k, s) for k, s in new.items() if s > 0), key=lambda kv: -kv[1])[:self.TOP]
+        self.result = dict(lychee_passes_s=round(self._passes_s[0], 3),
+                           coordesc_configs_timed=self._counters["inductor"].get("coordesc_tuning_bench", 0)
+                           - self._bench0,
+                           dynamo_timed_s={k: round(s, 2) for k, s in top})
+        return False
 
 
 def time_rows(args, variant, rows, cache, batch, ctx_info, budget_clock, results) -> int:
@@ -772,7 +808,7 @@ def run_variant(args, base, kind, budget, rows, cache, batch, ctx_info, budget_c
     print(f"== {variant.name} batch {batch}: setup {variant.setup_s:.1f}s, compiling ...", flush=True)
     info = first_call(variant, cache, args, batch)
     print(f"   compile (first call) {info['compile_s']:.1f}s, second call {info['second_call_s']:.2f}s, "
-          f"counts {info['compile_counts']}", flush=True)
+          f"counts {info['compile_counts']}\n   phases {info['compile_phases']}", flush=True)
     before = dynamo_counts()
     steps = time_rows(args, variant, rows, cache, batch, ctx_info, budget_clock, results)
     recompiles = delta(dynamo_counts(), before)
