@@ -699,16 +699,43 @@ class CompilePhases:
             finally:
                 self._passes_s[0] += time.perf_counter() - t
         backend.run_passes, self._run = timed_run_passes, run
+        self._tuned = []
+        try:
+            from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+        except ImportError:
+            self._tuner_cls = None
+            return self
+        tune, tuned, bench = CachingAutotuner.coordinate_descent_tuning, self._tuned, counters["inductor"]
+
+        def timed_tune(tuner, *a, **kw):
+            t, n = time.perf_counter(), bench.get("coordesc_tuning_bench", 0)
+            try:
+                return tune(tuner, *a, **kw)
+            finally:
+                tuned.append(dict(kernel=tuner.inductor_meta.get("kernel_name", "?"),
+                                  kind=str(getattr(tuner, "heuristic_type", "?")).split(".")[-1],
+                                  s=round(time.perf_counter() - t, 3),
+                                  configs=bench.get("coordesc_tuning_bench", 0) - n))
+        self._tuner_cls, self._tune = CachingAutotuner, tune
+        CachingAutotuner.coordinate_descent_tuning = timed_tune
         return self
 
     def __exit__(self, *exc):
         self._backend.run_passes = self._run
+        if self._tuner_cls is not None:
+            self._tuner_cls.coordinate_descent_tuning = self._tune
+        kinds = {}
+        for t in self._tuned:
+            k = kinds.setdefault(t["kind"], dict(kernels=0, configs=0, s=0.0))
+            k["kernels"], k["configs"], k["s"] = k["kernels"] + 1, k["configs"] + t["configs"], k["s"] + t["s"]
         new = {k: sum(v[self._seen.get(k, 0):]) for k, v in self._metrics.items()}
         top = sorted(((k, s) for k, s in new.items() if s > 0), key=lambda kv: -kv[1])[:self.TOP]
         self.result = dict(lychee_passes_s=round(self._passes_s[0], 3),
                            coordesc_configs_timed=self._counters["inductor"].get("coordesc_tuning_bench", 0)
                            - self._bench0,
-                           dynamo_timed_s={k: round(s, 2) for k, s in top})
+                           dynamo_timed_s={k: round(s, 2) for k, s in top},
+                           tuning_by_kind={k: dict(v, s=round(v["s"], 2)) for k, v in kinds.items()},
+                           tuned_kernels=sorted(self._tuned, key=lambda t: -t["s"]))
         return False
 
 
@@ -808,7 +835,8 @@ def run_variant(args, base, kind, budget, rows, cache, batch, ctx_info, budget_c
     print(f"== {variant.name} batch {batch}: setup {variant.setup_s:.1f}s, compiling ...", flush=True)
     info = first_call(variant, cache, args, batch)
     print(f"   compile (first call) {info['compile_s']:.1f}s, second call {info['second_call_s']:.2f}s, "
-          f"counts {info['compile_counts']}\n   phases {info['compile_phases']}", flush=True)
+          f"counts {info['compile_counts']}\n   phases "
+          f"{ {k: v for k, v in info['compile_phases'].items() if k != 'tuned_kernels'} }", flush=True)
     before = dynamo_counts()
     steps = time_rows(args, variant, rows, cache, batch, ctx_info, budget_clock, results)
     recompiles = delta(dynamo_counts(), before)
