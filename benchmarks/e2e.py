@@ -705,17 +705,17 @@ class CompilePhases:
         except ImportError:
             self._tuner_cls = None
             return self
-        tune, tuned, bench = CachingAutotuner.coordinate_descent_tuning, self._tuned, counters["inductor"]
+        tune, tuned = CachingAutotuner.coordinate_descent_tuning, self._tuned
 
         def timed_tune(tuner, *a, **kw):
-            t, n = time.perf_counter(), bench.get("coordesc_tuning_bench", 0)
+            t, n = time.perf_counter(), counters["inductor"].get("coordesc_tuning_bench", 0)
             try:
                 return tune(tuner, *a, **kw)
             finally:
                 tuned.append(dict(kernel=tuner.inductor_meta.get("kernel_name", "?"),
                                   kind=str(getattr(tuner, "heuristic_type", "?")).split(".")[-1],
                                   s=round(time.perf_counter() - t, 3),
-                                  configs=bench.get("coordesc_tuning_bench", 0) - n))
+                                  configs=counters["inductor"].get("coordesc_tuning_bench", 0) - n))
         self._tuner_cls, self._tune = CachingAutotuner, tune
         CachingAutotuner.coordinate_descent_tuning = timed_tune
         return self

@@ -119,6 +119,75 @@ def test_inductor_patches_tune_one_row_products_on_cuda_only():
     assert "config.coordinate_descent_tuning" in src and "(self.unsqueeze(2) * input2.unsqueeze(0)).sum(dim=1)" in src
 
 
+def test_tuning_skips_pointwise_kernels_of_our_compiles_only(monkeypatch):
+    # compat.tune_reductions_only: Inductor's per-kernel tuning entry point returns the launcher untouched for a
+    # POINTWISE kernel of a registered compile, and hands every other kernel (a reduction; a pointwise kernel of
+    # someone else's compile) to Inductor's own method
+    from torch._guards import CompileId
+    from torch._inductor.runtime.hints import HeuristicType
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    from lychee_compile.lowering import compat
+    ours, theirs = CompileId(frame_id=9001, frame_compile_id=0), CompileId(frame_id=9002, frame_compile_id=0)
+    assert compat.tune_reductions_only(None) is False and None not in compat._POINTWISE_UNTUNED
+    assert compat.tune_reductions_only(ours) is True
+    assert CachingAutotuner.coordinate_descent_tuning is compat._coordesc_reductions_only
+    handed = []
+    monkeypatch.setitem(compat._INDUCTOR_COORDESC, "method", lambda self, launcher: (handed.append(self), "tuned")[1])
+
+    class Kernel:
+        def __init__(self, kind, compile_id):
+            self.heuristic_type, self.compile_id = kind, compile_id
+    cases = {"pointwise, ours": Kernel(HeuristicType.POINTWISE, ours),
+             "reduction, ours": Kernel(HeuristicType.REDUCTION, ours),
+             "pointwise, theirs": Kernel(HeuristicType.POINTWISE, theirs)}
+    got = {name: CachingAutotuner.coordinate_descent_tuning(k, "launcher") for name, k in cases.items()}
+    assert got == {"pointwise, ours": "launcher", "reduction, ours": "tuned", "pointwise, theirs": "tuned"}
+    assert handed == [cases["reduction, ours"], cases["pointwise, theirs"]]
+
+
+def test_compile_fx_registers_its_compile_for_reduction_only_tuning(monkeypatch):
+    # compat.compile_fx, called from a torch.compile backend, registers the compile Dynamo is running when the
+    # tuning is on (forced here: on the CPU it is off), and not with LYCHEE_TUNE_POINTWISE=1
+    from torch._guards import CompileContext
+    from lychee_compile.lowering import compat
+    monkeypatch.setattr(compat, "inductor_patches", lambda *a, **k: {"coordinate_descent_tuning": True})
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(CompileContext.current_compile_id())
+        return compat.compile_fx(gm, example_inputs, cuda_graphs=False, tune=True)
+    registered = []
+    for env in ("0", "1"):
+        monkeypatch.setenv("LYCHEE_TUNE_POINTWISE", env)
+        monkeypatch.setattr(compat, "_POINTWISE_UNTUNED", set())   # Dynamo numbers compiles afresh after a reset
+        torch._dynamo.reset()
+        x = torch.randn(8)
+        torch.testing.assert_close(torch.compile(lambda t: t.sin().sum(), backend=backend)(x), x.sin().sum())
+        registered.append(set(compat._POINTWISE_UNTUNED))
+    assert None not in seen and registered == [{seen[0]}, set()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tuning_times_reductions_not_pointwise_gpu():
+    # on the GPU, our compile_fx with tuning on: a pointwise-only function has no kernel variant timed, a
+    # reduction has some, and both are right
+    from torch._dynamo.utils import counters
+    from lychee_compile.lowering import compat
+
+    def backend(gm, example_inputs):
+        return compat.compile_fx(gm, example_inputs, cuda_graphs=False, tune=True)
+
+    def timed_configs(fn, x):
+        torch._dynamo.reset()
+        before = counters["inductor"]["coordesc_tuning_bench"]
+        torch.testing.assert_close(torch.compile(fn, backend=backend)(x), fn(x), rtol=1e-4, atol=1e-4)
+        return counters["inductor"]["coordesc_tuning_bench"] - before
+    x = torch.randn(4096, 1024, device="cuda")
+    assert timed_configs(lambda t: t.sin() * 2 + 1, x) == 0
+    assert timed_configs(lambda t: (t.sin() * 2).sum(-1), x) > 0
+
+
 def test_register_is_idempotent():
     register()
     register()

@@ -6,7 +6,8 @@ Checked on:
 Known differences handled here:
   * `autotune_select_algorithm` returns the output node on 2.11 but a tuple (node, ...) on 2.13 -> `select_one`.
   * `SizeVarAllocator.optimization_hint` (2.13) vs `size_hint` (2.11) -> `size_hint`.
-Everything else used (compile_fx(config_patches=...), register_lowering, lowerings, empty_strided, fallback_handler, TritonTemplate,
+Everything else used (compile_fx(config_patches=...), CachingAutotuner.coordinate_descent_tuning and its
+heuristic_type / compile_id, HeuristicType, CompileContext.current_compile_id, register_lowering, lowerings, empty_strided, fallback_handler, TritonTemplate,
 SymbolicGridFn, ir.FixedLayout, ir.ExternKernel.realize_input, V.graph.sizevars.guard_int) has the same shape on
 both. Any other torch version is used at your own risk: `CHECKED_VERSIONS` says what was checked.
 """
@@ -30,7 +31,7 @@ from torch.utils._sympy.functions import CeilDiv  # noqa: E402
 
 __all__ = ["CHECKED_VERSIONS", "TORCH_VERSION", "inductor_config", "ir", "empty_strided", "fallback_handler",
            "lowerings", "register_lowering", "SymbolicGridFn", "TritonTemplate", "select_one", "V", "CeilDiv",
-           "size_hint", "static_int", "compile_fx", "realize", "to_dtype", "fixed_layout", "triton_device_ok", "sm_count",
+           "size_hint", "static_int", "compile_fx", "tune_reductions_only", "realize", "to_dtype", "fixed_layout", "triton_device_ok", "sm_count",
            "graph_memo"]
 
 
@@ -65,10 +66,47 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
     12.14 -> 11.69 ms; the first compile of the 32-layer step 41-43 -> 73-92 s, cold caches (the tuning compiles and
     times kernel variants; Inductor caches what it found). A tuned reduction may sum in a different order from one
     compile to the next: values agree to rounding, not bit for bit. LYCHEE_TUNE=0 also turns it off (a benchmark
-    knob, read at compile time)."""
+    knob, read at compile time).
+
+    The tuning is kept to reductions (tune_reductions_only): the pointwise kernels of a decode step are a few
+    thousand elements each, launch-bound, and tuning them took 14 of the 39 s the tuning added to a cold compile
+    (34 kernels; Llama-3-8B shapes, H200, session 13). LYCHEE_TUNE_POINTWISE=1 tunes them too (a benchmark knob)."""
+    from torch._guards import CompileContext
     from torch._inductor.compile_fx import compile_fx as _compile_fx
     on_cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
-    return _compile_fx(gm, example_inputs, config_patches=inductor_patches(on_cuda, cuda_graphs, tune))
+    patches = inductor_patches(on_cuda, cuda_graphs, tune)
+    if patches.get("coordinate_descent_tuning") and os.environ.get("LYCHEE_TUNE_POINTWISE", "0") != "1":
+        tune_reductions_only(CompileContext.current_compile_id())
+    return _compile_fx(gm, example_inputs, config_patches=patches)
+
+
+_POINTWISE_UNTUNED: set = set()      # Dynamo compile ids (torch._guards.CompileId) of our tuned compiles
+_INDUCTOR_COORDESC: dict = {}       # "method": Inductor's own CachingAutotuner.coordinate_descent_tuning, once wrapped
+
+
+def tune_reductions_only(compile_id) -> bool:
+    """Skip Inductor's coordinate-descent tuning for the POINTWISE kernels of the compile `compile_id` (reductions
+    and everything else keep it). Inductor decides per kernel at its first run (CachingAutotuner
+    .coordinate_descent_tuning, 2.11 and 2.13; every kernel is stamped with its compile's id by
+    set_compile_info), so this wraps that method once, process-wide, and the wrapper acts only on kernels whose
+    compile id was registered here: other torch.compile calls in the process keep Inductor's behaviour (Dynamo
+    numbers compiles afresh after torch._dynamo.reset(), so a later compile may share a registered id; the only
+    effect is that its pointwise kernels go untuned: speed, never values). Returns False (nothing changed) outside a Dynamo compile (no compile id)."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    if compile_id is None:
+        return False
+    _POINTWISE_UNTUNED.add(compile_id)
+    if not _INDUCTOR_COORDESC:
+        _INDUCTOR_COORDESC["method"] = CachingAutotuner.coordinate_descent_tuning
+        CachingAutotuner.coordinate_descent_tuning = _coordesc_reductions_only
+    return True
+
+
+def _coordesc_reductions_only(self, launcher, *args, **kwargs):
+    from torch._inductor.runtime.hints import HeuristicType
+    if self.heuristic_type == HeuristicType.POINTWISE and self.compile_id in _POINTWISE_UNTUNED:
+        return launcher
+    return _INDUCTOR_COORDESC["method"](self, launcher, *args, **kwargs)
 
 
 def inductor_patches(on_cuda: bool, cuda_graphs: bool, tune: bool = True, env=os.environ) -> dict:
