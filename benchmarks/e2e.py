@@ -705,14 +705,21 @@ class CompilePhases:
         except ImportError:
             self._tuner_cls = None
             return self
+        try:        # the library's own wrapper first (it skips pointwise kernels), so this one wraps it
+            from lychee_compile.lowering.compat import install_tuning_filter
+            install_tuning_filter()
+        except ImportError:     # a checkout from before session 13
+            pass
         tune, tuned = CachingAutotuner.coordinate_descent_tuning, self._tuned
 
         def timed_tune(tuner, *a, **kw):
-            t, n = time.perf_counter(), counters["inductor"].get("coordesc_tuning_bench", 0)
+            t, n, launcher = time.perf_counter(), counters["inductor"].get("coordesc_tuning_bench", 0), None
             try:
-                return tune(tuner, *a, **kw)
+                launcher = tune(tuner, *a, **kw)
+                return launcher
             finally:
                 tuned.append(dict(kernel=tuner.inductor_meta.get("kernel_name", "?"),
+                                  config=str(getattr(launcher, "config", None)),
                                   kind=str(getattr(tuner, "heuristic_type", "?")).split(".")[-1],
                                   s=round(time.perf_counter() - t, 3),
                                   configs=counters["inductor"].get("coordesc_tuning_bench", 0) - n))

@@ -31,7 +31,7 @@ from torch.utils._sympy.functions import CeilDiv  # noqa: E402
 
 __all__ = ["CHECKED_VERSIONS", "TORCH_VERSION", "inductor_config", "ir", "empty_strided", "fallback_handler",
            "lowerings", "register_lowering", "SymbolicGridFn", "TritonTemplate", "select_one", "V", "CeilDiv",
-           "size_hint", "static_int", "compile_fx", "tune_reductions_only", "realize", "to_dtype", "fixed_layout", "triton_device_ok", "sm_count",
+           "size_hint", "static_int", "compile_fx", "tune_reductions_only", "install_tuning_filter", "realize", "to_dtype", "fixed_layout", "triton_device_ok", "sm_count",
            "graph_memo"]
 
 
@@ -96,10 +96,17 @@ def tune_reductions_only(compile_id) -> bool:
     if compile_id is None:
         return False
     _POINTWISE_UNTUNED.add(compile_id)
+    install_tuning_filter()
+    return True
+
+
+def install_tuning_filter() -> None:
+    """Wrap CachingAutotuner.coordinate_descent_tuning once (idempotent); the wrapper changes nothing for a kernel
+    whose compile was not registered by tune_reductions_only."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
     if not _INDUCTOR_COORDESC:
         _INDUCTOR_COORDESC["method"] = CachingAutotuner.coordinate_descent_tuning
         CachingAutotuner.coordinate_descent_tuning = _coordesc_reductions_only
-    return True
 
 
 def _coordesc_reductions_only(self, launcher, *args, **kwargs):
