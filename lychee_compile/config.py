@@ -63,9 +63,9 @@ class LycheeConfig:
     # Each retrieval head's top-k runs on a side stream, overlapped with the products up to the next global layer
     # (passes/defer_selection.py; Triton lowering on CUDA only, elsewhere the same values synchronously).
     defer_selection: bool = True
-    # CUDA: Inductor tunes its generated kernels by timing (coordinate descent); with it every batch-1 linear becomes
-    # a fused, tuned Triton reduction instead of a cuBLAS call (lowering/compat.py: -0.45 ms of a 7.6 ms step at 128K
-    # on the H100). Costs 30-50 s more on the first compile of a 32-layer model (Inductor caches the results).
+    # CUDA: Inductor tunes its generated reductions by timing (coordinate descent); with it every batch-1 linear
+    # becomes a fused, tuned Triton reduction instead of a cuBLAS call (lowering/compat.py: -0.45 ms of a 7.6 ms step
+    # at 128K on the H100). Costs 20-30 s more on the first compile of a 32-layer model (Inductor caches the results).
     tune_kernels: bool = True
 
     def __post_init__(self) -> None:

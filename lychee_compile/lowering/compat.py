@@ -64,7 +64,7 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
     timing; no cuBLAS call and no split-K reduce kernel is left in the step. Measured (Llama-3-8B shapes, 128K, H100,
     side by side in one call: BENCHMARKS.md, session 12): hybrid 12.5%/4096 7.60 -> 7.16 ms, dense mode
     12.14 -> 11.69 ms; the first compile of the 32-layer step 41-43 -> 73-92 s, cold caches (the tuning compiles and
-    times kernel variants; Inductor caches what it found). A tuned reduction may sum in a different order from one
+    times kernel variants; Inductor caches what it found), 62-84 s once pointwise kernels were left out (below). A tuned reduction may sum in a different order from one
     compile to the next: values agree to rounding, not bit for bit. LYCHEE_TUNE=0 also turns it off (a benchmark
     knob, read at compile time).
 
