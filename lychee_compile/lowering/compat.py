@@ -7,9 +7,10 @@ Known differences handled here:
   * `autotune_select_algorithm` returns the output node on 2.11 but a tuple (node, ...) on 2.13 -> `select_one`.
   * `SizeVarAllocator.optimization_hint` (2.13) vs `size_hint` (2.11) -> `size_hint`.
 Everything else used (compile_fx(config_patches=...), CachingAutotuner.coordinate_descent_tuning and its
-heuristic_type / compile_id, HeuristicType, CompileContext.current_compile_id, register_lowering, lowerings, empty_strided, fallback_handler, TritonTemplate,
-SymbolicGridFn, ir.FixedLayout, ir.ExternKernel.realize_input, V.graph.sizevars.guard_int) has the same shape on
-both. Any other torch version is used at your own risk: `CHECKED_VERSIONS` says what was checked.
+heuristic_type / compile_id, HeuristicType, CompileContext.current_compile_id, register_lowering, lowerings,
+empty_strided, fallback_handler, TritonTemplate, SymbolicGridFn, ir.FixedLayout, ir.ExternKernel.realize_input,
+V.graph.sizevars.guard_int) has the same shape on both. Any other torch version is used at your own risk:
+`CHECKED_VERSIONS` says what was checked.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ from torch.utils._sympy.functions import CeilDiv  # noqa: E402
 
 __all__ = ["CHECKED_VERSIONS", "TORCH_VERSION", "inductor_config", "ir", "empty_strided", "fallback_handler",
            "lowerings", "register_lowering", "SymbolicGridFn", "TritonTemplate", "select_one", "V", "CeilDiv",
-           "size_hint", "static_int", "compile_fx", "tune_reductions_only", "install_tuning_filter", "realize", "to_dtype", "fixed_layout", "triton_device_ok", "sm_count",
-           "graph_memo"]
+           "size_hint", "static_int", "compile_fx", "tune_reductions_only", "install_tuning_filter", "realize",
+           "to_dtype", "fixed_layout", "triton_device_ok", "sm_count", "graph_memo"]
 
 
 def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
@@ -64,8 +65,10 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
     timing; no cuBLAS call and no split-K reduce kernel is left in the step. Measured (Llama-3-8B shapes, 128K, H100,
     side by side in one call: BENCHMARKS.md, session 12): hybrid 12.5%/4096 7.60 -> 7.16 ms, dense mode
     12.14 -> 11.69 ms; the first compile of the 32-layer step 41-43 -> 73-92 s, cold caches (the tuning compiles and
-    times kernel variants; Inductor caches what it found), 62-84 s once pointwise kernels were left out (below). A tuned reduction may sum in a different order from one
-    compile to the next: values agree to rounding, not bit for bit. LYCHEE_TUNE=0 also turns it off (a benchmark
+    times kernel variants; Inductor caches what it found), 62-84 s once pointwise kernels were left out (below). A
+    tuned reduction may sum in a different order from one compile to the next: values agree to rounding, not bit for
+    bit, and the step time moves with the configurations the tuning lands on (7.14-7.97 ms over eleven processes of
+    the hybrid step above, session 13). LYCHEE_TUNE=0 also turns it off (a benchmark
     knob, read at compile time).
 
     The tuning is kept to reductions (tune_reductions_only): the pointwise kernels of a decode step are a few
@@ -91,8 +94,8 @@ def tune_reductions_only(compile_id) -> bool:
     set_compile_info), so this wraps that method once, process-wide, and the wrapper acts only on kernels whose
     compile id was registered here: other torch.compile calls in the process keep Inductor's behaviour (Dynamo
     numbers compiles afresh after torch._dynamo.reset(), so a later compile may share a registered id; the only
-    effect is that its pointwise kernels go untuned: speed, never values). Returns False (nothing changed) outside a Dynamo compile (no compile id)."""
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    effect is that its pointwise kernels go untuned: speed, never values). Returns False (nothing changed) outside
+    a Dynamo compile (no compile id)."""
     if compile_id is None:
         return False
     _POINTWISE_UNTUNED.add(compile_id)
