@@ -5,6 +5,7 @@ all workarounds that needs live in the ONE fixture `inductor_triton_on_cpu` belo
 checked with. GPU (@pytest.mark.gpu): the same on CUDA, no workarounds.
 """
 import os
+import types
 
 import pytest
 import torch
@@ -140,9 +141,13 @@ def test_tuning_skips_pointwise_kernels_of_our_compiles_only(monkeypatch):
     cases = {"pointwise, ours": Kernel(HeuristicType.POINTWISE, ours),
              "reduction, ours": Kernel(HeuristicType.REDUCTION, ours),
              "pointwise, theirs": Kernel(HeuristicType.POINTWISE, theirs)}
-    got = {name: CachingAutotuner.coordinate_descent_tuning(k, "launcher") for name, k in cases.items()}
-    assert got == {"pointwise, ours": "launcher", "reduction, ours": "tuned", "pointwise, theirs": "tuned"}
+    launchers = {name: types.SimpleNamespace(config=types.SimpleNamespace()) for name in cases}
+    got = {name: CachingAutotuner.coordinate_descent_tuning(k, launchers[name]) for name, k in cases.items()}
+    assert got == {"pointwise, ours": launchers["pointwise, ours"], "reduction, ours": "tuned",
+                   "pointwise, theirs": "tuned"}
     assert handed == [cases["reduction, ours"], cases["pointwise, theirs"]]
+    # the skipped launcher's config is marked as Inductor marks a tuned one, so Inductor stops asking at each launch
+    assert [n for n, lc in launchers.items() if getattr(lc.config, "found_by_coordesc", False)] == ["pointwise, ours"]
 
 
 def test_compile_fx_registers_its_compile_for_reduction_only_tuning(monkeypatch):

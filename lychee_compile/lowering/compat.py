@@ -115,6 +115,10 @@ def install_tuning_filter() -> None:
 def _coordesc_reductions_only(self, launcher, *args, **kwargs):
     from torch._inductor.runtime.hints import HeuristicType
     if self.heuristic_type == HeuristicType.POINTWISE and self.compile_id in _POINTWISE_UNTUNED:
+        # Inductor asks again at every launch until the config says it was tuned (CachingAutotuner.run); marking
+        # it, as Inductor marks the configs its own descent picks, keeps launches without CUDA graphs from paying
+        # this call each time
+        launcher.config.found_by_coordesc = True
         return launcher
     return _INDUCTOR_COORDESC["method"](self, launcher, *args, **kwargs)
 
