@@ -19,19 +19,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-SHAPES = {"qkv (fused)": (6144, 4096), "o_proj": (4096, 4096), "gate_up (fused)": (28672, 4096),
-          "down": (4096, 14336), "lm_head": (128256, 4096)}
-
 
 @triton.jit
 def gemv_fma(x_ptr, w_ptr, y_ptr, N, K, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -116,43 +110,31 @@ def main():
         return check("cpu")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from attention_bench import measure_copy_bw, time_calls
+    from small_m_probe import header, product_cases, rel_err, write
     check("cuda")
-    bw = measure_copy_bw()
-    dev = torch.cuda.get_device_name()
-    print(f"device {dev}; copy {bw / 1e12:.3f} TB/s", flush=True)
-    res = dict(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), device=dev, torch=torch.__version__,
-               triton=triton.__version__, copy_TBps=bw / 1e12, rows=[])
-    for name, (n, k) in SHAPES.items():
-        copies = max(2, int(400e6 // (n * k * 2)) + 1)
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        for m in [int(v) for v in args.ms.split(",")]:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = F.linear(x, ws[0]).float()
-            row = dict(product=name, N=n, K=k, M=m, floor_us=(n * k * 2) / bw * 1e6, best={})
-            row["cublas_us"] = time_calls([lambda w=w: F.linear(x, w) for w in ws]) * 1e3
-            for kind, grid in GRID.items():
-                timed = []
-                for bn, bk, warps, stages in grid:
-                    try:
-                        got = launch(kind, x, ws[0], bn, bk, warps, stages).float()
-                    except Exception as e:      # noqa: BLE001  (a config Triton refuses: out of resources)
-                        timed.append(dict(cfg=[bn, bk, warps, stages], error=type(e).__name__))
-                        continue
-                    err = ((got - ref).norm() / ref.norm()).item()
-                    assert err < 2e-2, (name, m, kind, bn, bk, err)
-                    us = time_calls([lambda w=w: launch(kind, x, w, bn, bk, warps, stages) for w in ws]) * 1e3
-                    timed.append(dict(cfg=[bn, bk, warps, stages], us=us, rel_err=err))
-                ok = [t for t in timed if "us" in t]
-                row[kind] = timed
-                row["best"][kind] = min(ok, key=lambda t: t["us"]) if ok else None
-            res["rows"].append(row)
-            bf, bd = row["best"]["fma"], row["best"]["dot"]
-            print(f"{name:16s} M={m} floor {row['floor_us']:6.1f} | cuBLAS {row['cublas_us']:6.1f} | fma "
-                  f"{bf['us']:6.1f} {bf['cfg']} | dot {bd['us']:6.1f} {bd['cfg']}", flush=True)
-        del ws
-        torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "small_m_gemv_probe.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    res = header(measure_copy_bw(), triton=triton.__version__)
+    for x, ws, ref, row in product_cases([int(v) for v in args.ms.split(",")], res["copy_TBps"] * 1e12):
+        row["best"] = {}
+        for kind, grid in GRID.items():
+            timed = []
+            for bn, bk, warps, stages in grid:
+                try:
+                    got = launch(kind, x, ws[0], bn, bk, warps, stages)
+                except Exception as e:      # noqa: BLE001  (a config Triton refuses: out of resources)
+                    timed.append(dict(cfg=[bn, bk, warps, stages], error=type(e).__name__))
+                    continue
+                err = rel_err(got, ref)
+                assert err < 2e-2, (row["product"], row["M"], kind, bn, bk, err)
+                us = time_calls([lambda w=w: launch(kind, x, w, bn, bk, warps, stages) for w in ws]) * 1e3
+                timed.append(dict(cfg=[bn, bk, warps, stages], us=us, rel_err=err))
+            ok = [t for t in timed if "us" in t]
+            row[kind] = timed
+            row["best"][kind] = min(ok, key=lambda t: t["us"]) if ok else None
+        res["rows"].append(row)
+        bf, bd = row["best"]["fma"], row["best"]["dot"]
+        print(f"{row['product']:16s} M={row['M']} floor {row['floor_us']:6.1f} | cuBLAS {row['cublas_us']:6.1f} | "
+              f"fma {bf['us']:6.1f} {bf['cfg']} | dot {bd['us']:6.1f} {bd['cfg']}", flush=True)
+    write(res, args.out, "small_m_gemv_probe.json")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,39 @@ def weight_major(x, w):        # [N, M] then transposed: the M outputs of one we
     return (w[:, None, :].float() * x[None].float()).sum(-1).t().to(x.dtype)
 
 
+def header(bw: float, **extra) -> dict:
+    """The result JSON's header: date, device, versions, the run's copy rate (printed too)."""
+    dev = torch.cuda.get_device_name()
+    print(f"device {dev}; copy {bw / 1e12:.3f} TB/s", flush=True)
+    return dict(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), device=dev, torch=torch.__version__,
+                copy_TBps=bw / 1e12, rows=[], **extra)
+
+
+def product_cases(ms, bw: float):
+    """Every product of SHAPES at every M in ms: yields (x, weight copies, F.linear of x and the first copy in
+    fp32, row). The copies (> L2 in total) are rotated by the timed calls so each reads W from DRAM; row already
+    holds the shape, the bytes floor at copy rate bw and the cuBLAS time."""
+    for name, (n, k) in SHAPES.items():
+        copies = max(2, int(400e6 // (n * k * 2)) + 1)
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = dict(product=name, N=n, K=k, M=m, floor_us=(n * k * 2) / bw * 1e6)
+            row["cublas_us"] = time_calls([lambda w=w: F.linear(x, w) for w in ws]) * 1e3
+            yield x, ws, F.linear(x, ws[0]).float(), row
+        del ws
+        torch.cuda.empty_cache()
+
+
+def rel_err(got, ref) -> float:
+    return ((got.float() - ref).norm() / ref.norm()).item()
+
+
+def write(res: dict, out: str, name: str) -> None:
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,2,4")
@@ -47,37 +80,22 @@ def main():
     args = ap.parse_args()
     import torch._inductor.config as ic
     ic.coordinate_descent_tuning = True
-    bw = measure_copy_bw()
-    dev = torch.cuda.get_device_name()
-    print(f"device {dev}; copy {bw / 1e12:.3f} TB/s", flush=True)
-    res = dict(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), device=dev, torch=torch.__version__,
-               copy_TBps=bw / 1e12, rows=[])
+    res = header(measure_copy_bw())
     # One static compile per (product, M): automatic dynamic shapes would make the kernels generic after the second.
     for knob in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, 64)
     fns = {"rows_major": torch.compile(rows_major, dynamic=False),
            "weight_major": torch.compile(weight_major, dynamic=False)}
-    for name, (n, k) in SHAPES.items():
-        copies = max(2, int(400e6 // (n * k * 2)) + 1)        # > L2 (50 MB) in total, rotated
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        for m in [int(v) for v in args.ms.split(",")]:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = F.linear(x, ws[0]).float()
-            row = dict(product=name, N=n, K=k, M=m, floor_us=(n * k * 2) / bw * 1e6)
-            row["cublas_us"] = time_calls([lambda w=w: F.linear(x, w) for w in ws]) * 1e3
-            for fname, fn in fns.items():
-                got = fn(x, ws[0]).float()
-                row[f"{fname}_rel_err"] = ((got - ref).norm() / ref.norm()).item()
-                assert row[f"{fname}_rel_err"] < 2e-2, (name, m, fname, row[f"{fname}_rel_err"])
-                row[f"{fname}_us"] = time_calls([lambda w=w, f=fn: f(x, w) for w in ws]) * 1e3
-            res["rows"].append(row)
-            print(f"{name:16s} M={m} floor {row['floor_us']:7.1f} us | cuBLAS {row['cublas_us']:7.1f} | rows-major "
-                  f"{row['rows_major_us']:7.1f} | weight-major {row['weight_major_us']:7.1f} us", flush=True)
-        del ws
-        torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "small_m_probe.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    for x, ws, ref, row in product_cases([int(v) for v in args.ms.split(",")], res["copy_TBps"] * 1e12):
+        for fname, fn in fns.items():
+            row[f"{fname}_rel_err"] = rel_err(fn(x, ws[0]), ref)
+            assert row[f"{fname}_rel_err"] < 2e-2, (row["product"], row["M"], fname, row[f"{fname}_rel_err"])
+            row[f"{fname}_us"] = time_calls([lambda w=w, f=fn: f(x, w) for w in ws]) * 1e3
+        res["rows"].append(row)
+        print(f"{row['product']:16s} M={row['M']} floor {row['floor_us']:7.1f} us | cuBLAS {row['cublas_us']:7.1f} | "
+              f"rows-major {row['rows_major_us']:7.1f} | weight-major {row['weight_major_us']:7.1f} us", flush=True)
+    write(res, args.out, "small_m_probe.json")
 
 
 if __name__ == "__main__":
