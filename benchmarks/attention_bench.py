@@ -218,6 +218,7 @@ def bench_config(T, B, n_retr, budget, bw, variants=None, time_baselines=True, c
         row[f"{name}_ms"] = time_calls([(lambda s=s, c=c: (s(), c())) for s, c, *_ in launchers])
         if name != "ours":
             row[f"{name}_combine_ms"] = time_calls([c for _, c, *_ in launchers])
+            row[f"{name}_split_ms"] = time_calls([s for s, *_ in launchers])
         if name == "ours" and parts:
             row["ours_split_ms"] = time_calls([s for s, *_ in launchers])
             row["ours_combine_ms"] = time_calls([c for _, c, *_ in launchers])

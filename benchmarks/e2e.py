@@ -711,9 +711,11 @@ class CompilePhases:
         except ImportError:     # a checkout from before session 13
             pass
         tune, tuned = CachingAutotuner.coordinate_descent_tuning, self._tuned
+        bench, timings = CachingAutotuner.bench, []
 
         def timed_tune(tuner, *a, **kw):
             t, n, launcher = time.perf_counter(), counters["inductor"].get("coordesc_tuning_bench", 0), None
+            timings.clear()
             try:
                 launcher = tune(tuner, *a, **kw)
                 return launcher
@@ -722,15 +724,26 @@ class CompilePhases:
                                   config=str(getattr(launcher, "config", None)),
                                   kind=str(getattr(tuner, "heuristic_type", "?")).split(".")[-1],
                                   s=round(time.perf_counter() - t, 3),
-                                  configs=counters["inductor"].get("coordesc_tuning_bench", 0) - n))
-        self._tuner_cls, self._tune = CachingAutotuner, tune
+                                  configs=counters["inductor"].get("coordesc_tuning_bench", 0) - n,
+                                  timed_us=list(timings)))
+
+        def recording_bench(tuner, launcher, *a, **kw):
+            # every variant the tuning times, in order: [config kwargs + warps, microseconds]
+            ms = bench(tuner, launcher, *a, **kw)
+            c = launcher.config
+            timings.append([" ".join(f"{k}={v}" for k, v in c.kwargs.items()) + f" w={c.num_warps}",
+                            round(float(ms) * 1e3, 2)])
+            return ms
+        self._tuner_cls, self._tune, self._bench = CachingAutotuner, tune, bench
         CachingAutotuner.coordinate_descent_tuning = timed_tune
+        CachingAutotuner.bench = recording_bench
         return self
 
     def __exit__(self, *exc):
         self._backend.run_passes = self._run
         if self._tuner_cls is not None:
             self._tuner_cls.coordinate_descent_tuning = self._tune
+            self._tuner_cls.bench = self._bench
         kinds = {}
         for t in self._tuned:
             k = kinds.setdefault(t["kind"], dict(kernels=0, configs=0, s=0.0))

@@ -150,6 +150,35 @@ def test_tuning_skips_pointwise_kernels_of_our_compiles_only(monkeypatch):
     assert [n for n, lc in launchers.items() if getattr(lc.config, "found_by_coordesc", False)] == ["pointwise, ours"]
 
 
+def test_tuning_times_variants_of_our_cuda_compiles_alone(monkeypatch):
+    # compat.time_kernels_alone: Inductor's CachingAutotuner.bench hands a variant of a registered compile on CUDA
+    # to time_kernel_alone, and everything else (another compile; a CPU kernel; a variant spilling more than
+    # Inductor's own bench allows; a launch that raises) to Inductor's bench
+    from torch._guards import CompileId
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    from lychee_compile.lowering import compat
+    ours, theirs = CompileId(frame_id=9101, frame_compile_id=0), CompileId(frame_id=9102, frame_compile_id=0)
+    assert compat.time_kernels_alone(None) is False and None not in compat._TIMED_ALONE
+    assert compat.time_kernels_alone(ours) is True
+    assert CachingAutotuner.bench is compat._bench_alone_for_ours
+    monkeypatch.setitem(compat._INDUCTOR_BENCH, "method", lambda self, launcher: ("inductor", self.name))
+
+    def alone(tuner, launcher):
+        if launcher.n_spills == -1:
+            raise RuntimeError("invalid configuration argument")
+        return ("alone", tuner.name)
+    monkeypatch.setattr(compat, "time_kernel_alone", alone)
+
+    def kernel(name, compile_id, device="cuda"):
+        return types.SimpleNamespace(name=name, compile_id=compile_id, device_props=types.SimpleNamespace(type=device))
+    ok, spills, bad = (types.SimpleNamespace(n_spills=n) for n in (0, 17, -1))
+    got = [CachingAutotuner.bench(kernel("ours", ours), ok), CachingAutotuner.bench(kernel("theirs", theirs), ok),
+           CachingAutotuner.bench(kernel("cpu", ours, "cpu"), ok), CachingAutotuner.bench(kernel("spills", ours), spills),
+           CachingAutotuner.bench(kernel("raises", ours), bad)]
+    assert got == [("alone", "ours"), ("inductor", "theirs"), ("inductor", "cpu"), ("inductor", "spills"),
+                   ("inductor", "raises")]
+
+
 def test_compile_fx_registers_its_compile_for_reduction_only_tuning(monkeypatch):
     # compat.compile_fx, called from a torch.compile backend, registers the compile Dynamo is running when the
     # tuning is on (forced here: on the CPU it is off), and not with LYCHEE_TUNE_POINTWISE=1
@@ -161,15 +190,18 @@ def test_compile_fx_registers_its_compile_for_reduction_only_tuning(monkeypatch)
     def backend(gm, example_inputs):
         seen.append(CompileContext.current_compile_id())
         return compat.compile_fx(gm, example_inputs, cuda_graphs=False, tune=True)
-    registered = []
-    for env in ("0", "1"):
-        monkeypatch.setenv("LYCHEE_TUNE_POINTWISE", env)
+    registered, alone = [], []
+    for pointwise, bench in (("0", "gpu"), ("1", "inductor")):
+        monkeypatch.setenv("LYCHEE_TUNE_POINTWISE", pointwise)
+        monkeypatch.setenv("LYCHEE_TUNE_BENCH", bench)
         monkeypatch.setattr(compat, "_POINTWISE_UNTUNED", set())   # Dynamo numbers compiles afresh after a reset
+        monkeypatch.setattr(compat, "_TIMED_ALONE", set())
         torch._dynamo.reset()
         x = torch.randn(8)
         torch.testing.assert_close(torch.compile(lambda t: t.sin().sum(), backend=backend)(x), x.sin().sum())
         registered.append(set(compat._POINTWISE_UNTUNED))
-    assert None not in seen and registered == [{seen[0]}, set()]
+        alone.append(set(compat._TIMED_ALONE))
+    assert None not in seen and registered == [{seen[0]}, set()] and alone == [{seen[0]}, set()]
 
 
 @pytest.mark.gpu
@@ -191,6 +223,48 @@ def test_tuning_times_reductions_not_pointwise_gpu():
     x = torch.randn(4096, 1024, device="cuda")
     assert timed_configs(lambda t: t.sin() * 2 + 1, x) == 0
     assert timed_configs(lambda t: (t.sin() * 2).sum(-1), x) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_time_kernel_alone_measures_the_device_not_the_host_gpu():
+    # compat.time_kernel_alone on a real tuning variant: a launcher whose host side is slow (0.1 ms more per call,
+    # as a slow Python launch path would be, 3-4x the kernel) is timed at its device time all the same, and the
+    # real arguments are left as they were (the variant runs on clones)
+    import time as _time
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    from lychee_compile.lowering import compat
+    captured = {}
+    orig = CachingAutotuner.coordinate_descent_tuning
+
+    def grab(self, launcher, *args, **kwargs):
+        captured.setdefault("k", (self, launcher, args, kwargs))
+        return orig(self, launcher, *args, **kwargs)
+
+    def backend(gm, example_inputs):
+        return compat.compile_fx(gm, example_inputs, cuda_graphs=False, tune=True)
+    x = torch.randn(2048, 4096, device="cuda")
+    CachingAutotuner.coordinate_descent_tuning = grab
+    try:
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(lambda t: (t.sin() * 2).sum(-1), backend=backend)(x),
+                                   (x.sin() * 2).sum(-1), rtol=1e-4, atol=1e-3)
+    finally:
+        CachingAutotuner.coordinate_descent_tuning = orig
+    tuner, launcher, args, kwargs = captured["k"]
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+    def slow_host(*a, **k):
+        _time.sleep(0.0001)
+        return launcher(*a, **k)
+    slow_host.config, slow_host.n_spills = launcher.config, launcher.n_spills
+    fast = compat.time_kernel_alone(tuner, launcher, *args, **kwargs)
+    slow = compat.time_kernel_alone(tuner, slow_host, *args, **kwargs)
+    bytes_ms = x.numel() * 4 / 3.5e12 * 1e3          # the input read once at a rate above any H100 / H200
+    assert bytes_ms <= fast < 0.1 and bytes_ms <= slow < 0.1 and abs(slow - fast) < 0.5 * fast, (fast, slow)
+    for a, b in zip(args, before):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
 
 
 def test_register_is_idempotent():

@@ -7,7 +7,7 @@ Known differences handled here:
   * `autotune_select_algorithm` returns the output node on 2.11 but a tuple (node, ...) on 2.13 -> `select_one`.
   * `SizeVarAllocator.optimization_hint` (2.13) vs `size_hint` (2.11) -> `size_hint`.
 Everything else used (compile_fx(config_patches=...), CachingAutotuner.coordinate_descent_tuning and its
-heuristic_type / compile_id, HeuristicType, CompileContext.current_compile_id, register_lowering, lowerings,
+heuristic_type / compile_id / bench / clone_args / reset_to_zero_args / device_props, HeuristicType, CompileContext.current_compile_id, register_lowering, lowerings,
 empty_strided, fallback_handler, TritonTemplate, SymbolicGridFn, ir.FixedLayout, ir.ExternKernel.realize_input,
 V.graph.sizevars.guard_int) has the same shape on both. Any other torch version is used at your own risk:
 `CHECKED_VERSIONS` says what was checked.
@@ -32,7 +32,8 @@ from torch.utils._sympy.functions import CeilDiv  # noqa: E402
 
 __all__ = ["CHECKED_VERSIONS", "TORCH_VERSION", "inductor_config", "ir", "empty_strided", "fallback_handler",
            "lowerings", "register_lowering", "SymbolicGridFn", "TritonTemplate", "select_one", "V", "CeilDiv",
-           "size_hint", "static_int", "compile_fx", "tune_reductions_only", "install_tuning_filter", "realize",
+           "size_hint", "static_int", "compile_fx", "tune_reductions_only", "time_kernels_alone",
+           "time_kernel_alone", "install_tuning_filter", "realize",
            "to_dtype", "fixed_layout", "triton_device_ok", "sm_count", "graph_memo"]
 
 
@@ -78,13 +79,19 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
     from torch._inductor.compile_fx import compile_fx as _compile_fx
     on_cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
     patches = inductor_patches(on_cuda, cuda_graphs, tune)
-    if patches.get("coordinate_descent_tuning") and os.environ.get("LYCHEE_TUNE_POINTWISE", "0") != "1":
-        tune_reductions_only(CompileContext.current_compile_id())
+    if patches.get("coordinate_descent_tuning"):
+        compile_id = CompileContext.current_compile_id()
+        if os.environ.get("LYCHEE_TUNE_POINTWISE", "0") != "1":
+            tune_reductions_only(compile_id)
+        if os.environ.get("LYCHEE_TUNE_BENCH", "gpu") != "inductor":
+            time_kernels_alone(compile_id)
     return _compile_fx(gm, example_inputs, config_patches=patches)
 
 
 _POINTWISE_UNTUNED: set = set()      # Dynamo compile ids (torch._guards.CompileId) of our tuned compiles
+_TIMED_ALONE: set = set()           # compile ids whose tuning times each variant with time_kernel_alone
 _INDUCTOR_COORDESC: dict = {}       # "method": Inductor's own CachingAutotuner.coordinate_descent_tuning, once wrapped
+_INDUCTOR_BENCH: dict = {}          # "method": Inductor's own CachingAutotuner.bench, once wrapped
 
 
 def tune_reductions_only(compile_id) -> bool:
@@ -104,12 +111,81 @@ def tune_reductions_only(compile_id) -> bool:
 
 
 def install_tuning_filter() -> None:
-    """Wrap CachingAutotuner.coordinate_descent_tuning once (idempotent); the wrapper changes nothing for a kernel
-    whose compile was not registered by tune_reductions_only."""
+    """Wrap CachingAutotuner.coordinate_descent_tuning and CachingAutotuner.bench once (idempotent); the wrappers
+    change nothing for a kernel whose compile was not registered by tune_reductions_only / time_kernels_alone."""
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
     if not _INDUCTOR_COORDESC:
         _INDUCTOR_COORDESC["method"] = CachingAutotuner.coordinate_descent_tuning
         CachingAutotuner.coordinate_descent_tuning = _coordesc_reductions_only
+    if not _INDUCTOR_BENCH:
+        _INDUCTOR_BENCH["method"] = CachingAutotuner.bench
+        CachingAutotuner.bench = _bench_alone_for_ours
+
+
+def time_kernels_alone(compile_id) -> bool:
+    """Time the tuning's kernel variants of the compile `compile_id` with time_kernel_alone instead of Inductor's
+    CachingAutotuner.bench (CUDA only; other compiles keep Inductor's). Why: Inductor's bench times each call of
+    a Python closure (argument clones, the launcher) between two events; for a decode-step product of ~40 us the
+    host work between the events is as long as the kernel, so the figure is the host's and wanders with it. The
+    same variant (Llama-3-8B down_proj, H100) timed 52, 67 and 82 us in three processes while it ran 43 us in the
+    step; which variant the descent kept, and so the step time, changed from one compile to the next (7.20-7.61
+    ms, session 14). Returns False outside a Dynamo compile."""
+    if compile_id is None:
+        return False
+    _TIMED_ALONE.add(compile_id)
+    install_tuning_filter()
+    return True
+
+
+def _bench_alone_for_ours(self, launcher, *args, **kwargs):
+    spills = getattr(launcher, "n_spills", None)
+    if (self.compile_id not in _TIMED_ALONE or self.device_props.type != "cuda"
+            or (spills is not None and spills > 16)):    # Inductor's own bench skips (and records) spilling variants
+        return _INDUCTOR_BENCH["method"](self, launcher, *args, **kwargs)
+    try:
+        return time_kernel_alone(self, launcher, *args, **kwargs)
+    except Exception:   # an invalid launch config: Inductor's bench knows how to record it (inf)
+        return _INDUCTOR_BENCH["method"](self, launcher, *args, **kwargs)
+
+
+TIME_ALONE_REPS = 25
+TIME_ALONE_HOLD_CYCLES = 10_000_000   # ~5 ms at H100 / H200 clocks: the host queues every repetition meanwhile
+TIME_ALONE_SLEEP_CYCLES = 100_000     # ~50 us: each repetition's own margin, should the queue have run dry
+
+
+def time_kernel_alone(tuner, launcher, *args, **kwargs) -> float:
+    """Milliseconds of one launch of a tuning variant, the device's time alone: median of TIME_ALONE_REPS launches,
+    each after an L2 flush (a write over twice the L2). A device-side sleep ahead of them all (and a short one
+    before each) holds the device while the host queues every repetition, so each launch is already queued when
+    its start event fires: the interval holds the kernel, not the host's launch overhead (as long as the host
+    queues the lot within the hold: ~5 ms). Arguments are cloned once (the variant may write its in-place
+    outputs; the real ones stay untouched), and the arguments Inductor zeroes before each call are zeroed before
+    each launch, outside the interval."""
+    device = torch.cuda.current_device()
+    cargs, ckwargs = tuner.clone_args(*args, **kwargs)
+    stream = torch.cuda.current_stream()
+    raw = stream.cuda_stream
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    flush = torch.empty(max(2 * l2, 64 << 20), dtype=torch.int8, device=device)
+
+    def launch():
+        launcher(*cargs, **ckwargs, stream=raw)
+
+    tuner.reset_to_zero_args(*cargs, **ckwargs)
+    launch()                        # first launch: module load, outside the timing
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(TIME_ALONE_REPS)]
+    torch.cuda._sleep(TIME_ALONE_HOLD_CYCLES)
+    for start, end in events:
+        flush.zero_()
+        tuner.reset_to_zero_args(*cargs, **ckwargs)
+        torch.cuda._sleep(TIME_ALONE_SLEEP_CYCLES)
+        start.record(stream)
+        launch()
+        end.record(stream)
+    end.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in events)
+    return times[len(times) // 2]
 
 
 def _coordesc_reductions_only(self, launcher, *args, **kwargs):
