@@ -68,9 +68,11 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
     12.14 -> 11.69 ms; the first compile of the 32-layer step 41-43 -> 73-92 s, cold caches (the tuning compiles and
     times kernel variants; Inductor caches what it found), 62-84 s once pointwise kernels were left out (below). A
     tuned reduction may sum in a different order from one compile to the next: values agree to rounding, not bit for
-    bit, and the step time moves with the configurations the tuning lands on (7.14-7.97 ms over eleven processes of
-    the hybrid step above, session 13). LYCHEE_TUNE=0 also turns it off (a benchmark
-    knob, read at compile time).
+    bit. The variants are timed by time_kernel_alone (time_kernels_alone says why): with Inductor's own timing the
+    configurations the descent kept, and the step time with them, moved from one compile to the next (7.14-7.97 ms
+    over eleven processes of the hybrid step above, session 13); timed alone, 7.07-7.10 ms in four (session 14).
+    LYCHEE_TUNE=0 also turns the tuning off, LYCHEE_TUNE_BENCH=inductor keeps Inductor's timing (benchmark knobs,
+    read at compile time).
 
     The tuning is kept to reductions (tune_reductions_only): the pointwise kernels of a decode step are a few
     thousand elements each, launch-bound, and tuning them took 14 of the 39 s the tuning added to a cold compile
