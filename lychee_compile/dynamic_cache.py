@@ -20,6 +20,7 @@ import types
 
 import torch
 
+from .cache_kwarg import cache_of
 from .config import LycheeConfigError
 
 
@@ -28,7 +29,7 @@ def _is_dynamic_decode(args, kwargs) -> bool:
     if torch.compiler.is_compiling():
         return False
     from transformers import DynamicCache
-    cache = kwargs.get("past_key_values")
+    cache = cache_of(kwargs)
     x = kwargs.get("input_ids", args[0] if args else None)
     x = kwargs.get("inputs_embeds") if x is None else x
     return isinstance(cache, DynamicCache) and x is not None and x.shape[1] == 1
@@ -75,7 +76,7 @@ def _let_cache_objects_in(model) -> None:
 
     @functools.wraps(inner)
     def generate(*args, **kwargs):
-        if kwargs.get("past_key_values") is not None and "cache_implementation" not in kwargs:
+        if cache_of(kwargs) is not None and "cache_implementation" not in kwargs:
             kwargs["cache_implementation"] = None
         return inner(*args, **kwargs)
 

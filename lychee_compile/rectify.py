@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from .cache_kwarg import cache_kwarg, cache_of
+
 REENCODING_ATTR = "_lychee_reencoding"     # True while a re-encode's forward runs
 
 
@@ -32,7 +34,7 @@ class Rectifier:
 
     def after_step(self, kwargs) -> None:
         ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
-        cache, mask = kwargs.get("past_key_values"), kwargs.get("attention_mask")
+        cache, mask = cache_of(kwargs), kwargs.get("attention_mask")
         if ids is None or cache is None or ids.shape[1] != 1:
             return
         self.tokens.append(ids)
@@ -54,8 +56,8 @@ class Rectifier:
         setattr(self.model, REENCODING_ATTR, True)
         try:
             with torch.no_grad():
-                self.model(input_ids=tokens, position_ids=positions, attention_mask=padding, past_key_values=cache,
-                           use_cache=True)
+                self.model(input_ids=tokens, position_ids=positions, attention_mask=padding, use_cache=True,
+                           **{cache_kwarg(self.model): cache})
         finally:
             setattr(self.model, REENCODING_ATTR, False)
 

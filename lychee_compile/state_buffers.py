@@ -23,6 +23,7 @@ import weakref
 
 import torch
 
+from .cache_kwarg import cache_of
 from .config import LycheeConfigError
 from .linear_groups import announce as announce_linear_groups
 from .ops.quest import block_descriptors, descriptor_dtype
@@ -109,7 +110,7 @@ def _wrap_forward(model, keeper) -> None:
         out = inner(*args, **kwargs)
         if keeper is not None and not torch.compiler.is_compiling():
             # an eager forward wrote (or overwrote) cache entries outside the decode graph: rebuild the descriptors
-            keeper.rebuild(kwargs.get("past_key_values"), kwargs.get("attention_mask"))
+            keeper.rebuild(cache_of(kwargs), kwargs.get("attention_mask"))
         return out
 
     model.forward = forward
@@ -131,7 +132,7 @@ class QuestDescriptors:
 
     def before_decode(self, kwargs) -> None:
         """A compiled decode step is about to run: rebuild first if its cache is not the one described."""
-        cache = kwargs.get("past_key_values")
+        cache = cache_of(kwargs)
         if cache is not None and (self.built_for is None or self.built_for() is not cache):
             self.rebuild(cache, kwargs.get("attention_mask"))
 

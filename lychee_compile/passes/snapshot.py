@@ -107,9 +107,10 @@ def _render(a, layer_of) -> str:
 
 
 def _placeholder_name(target: str) -> str:
-    """Dynamo's L_kwargs_past_key_values_layers_0_keys -> cache.layers.0.keys (stable across versions)."""
+    """Dynamo's L_kwargs_past_key_values_layers_0_keys (transformers <= 5.23; L_kwargs_cache_layers_0_keys from
+    5.24) -> cache.layers.0.keys (stable across versions)."""
     for name in STATE_NAMES:
         if f"lychee_{name}" in str(target):
             return f"state.{name}"
     name = re.sub(r"^L_(kwargs_|self_)?", "", str(target)).strip("_")
-    return re.sub(r"past_key_values_layers_(\d+)_(keys|values)", r"cache.layers.\1.\2", name)
+    return re.sub(r"(?:past_key_values|cache)_layers_(\d+)_(keys|values)", r"cache.layers.\1.\2", name)
