@@ -2,6 +2,8 @@
 equal the same compiled model without graphs; set_head_map() reaches the replayed graph with no re-capture."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -46,3 +48,65 @@ def test_cuda_graphs_replay_and_head_map_swap():
     assert torch.equal(seq, plain_seq)
     assert (logits.float() - plain_logits.float()).abs().max() < 5e-2
     assert state_of(model).counters.decode_calls >= 2 * 23
+
+
+PDL_KERNEL = re.compile(r"async_compile\.triton\('(\w+)', '''(.*?)'''", re.S)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs CUDA compute capability 9+ (programmatic dependent launch)")
+def test_pdl_kernels_all_wait_and_change_no_token_gpu(monkeypatch):
+    # PDL is on by default on sm_90+ (compat.compile_fx): every part of every Inductor kernel of the step launched
+    # with it calls griddepcontrol.wait (compat.pdl_always_waits), and launches its dependents only after it; the
+    # tokens are those of the same model compiled without PDL, and two runs of one compiled model give
+    # bit-identical logits (a race between overlapping kernels would show as a difference)
+    from torch._inductor import config as icfg
+    from torch._inductor.utils import run_and_get_code
+    ids, mask = (x.cuda() for x in make_batch(lengths=(90, 71)))
+    mixed = mixed_map(make("llama", "sdpa"))
+    monkeypatch.setenv("LYCHEE_PDL", "0")
+    torch._dynamo.reset()
+    plain_seq, plain_logits = generate_logits(_cuda_model(mixed, True), ids, mask, 24)
+    monkeypatch.setenv("LYCHEE_PDL", "1")
+    torch._dynamo.reset()
+    model = _cuda_model(mixed, True)
+    with icfg.patch(fx_graph_cache=False):       # the code must be generated here to be read
+        (seq, logits), codes = run_and_get_code(generate_logits, model, ids, mask, 24)
+    seq2, logits2 = generate_logits(model, ids, mask, 24)
+    kernels = [(name, src) for code in codes for name, src in PDL_KERNEL.findall(code)
+               if "'launch_pdl': True" in src]
+    assert kernels, "no kernel of the compiled step was generated with PDL"
+    for name, src in kernels:
+        assert waits_before_release(src.split("):\n", 1)[1]), (name, src)
+    ours = [src for code in codes for name, src in PDL_KERNEL.findall(code) if name.startswith("triton_tem")
+            and "hybrid_decode" in name]
+    assert ours and not any("'launch_pdl': True" in src for src in ours), "our templates launch without PDL"
+    assert torch.equal(seq, plain_seq)
+    assert (logits.float() - plain_logits.float()).abs().max() < 5e-2
+    assert torch.equal(seq2, seq) and torch.equal(logits2, logits)
+
+
+def waits_before_release(body: str) -> bool:
+    """Each part of a kernel body (a combo kernel's `if pid < ...` branches, else the whole body) calls gdc_wait,
+    and calls gdc_launch_dependents, if at all, after it."""
+    parts = (re.split(r"\n\s*(?:el)?if pid < [^\n]*:\n", body)[1:] if body.lstrip().startswith("pid = tl.program_id")
+             else [body])
+    for part in parts:
+        wait = part.find("tl.extra.cuda.gdc_wait()")
+        launch = part.find("tl.extra.cuda.gdc_launch_dependents()")
+        if wait < 0 or (launch >= 0 and launch < wait):
+            return False
+    return bool(parts)
+
+
+def test_waits_before_release_reads_kernel_bodies():
+    # the GPU test's checker itself: a wait in every part, ahead of any launch_dependents, passes; nothing else
+    w, r = "tl.extra.cuda.gdc_wait()", "tl.extra.cuda.gdc_launch_dependents()"
+    assert waits_before_release(f"    x = tl.load(a)\n    {w}\n    {r}\n    tl.store(b, x)\n")
+    assert not waits_before_release(f"    x = tl.load(a)\n    {r}\n    {w}\n    tl.store(b, x)\n")
+    assert not waits_before_release("    tl.store(b, 1)\n")
+    combo = ("    pid = tl.program_id(0)\n    if pid < n0:\n        {a}\n        x = tl.load(a)\n"
+             "    elif pid < n1:\n        {b}\n        tl.store(c, 1)\n    else:\n        pass\n")
+    assert waits_before_release(combo.format(a=w, b=w))
+    assert not waits_before_release(combo.format(a=w, b="pass"))

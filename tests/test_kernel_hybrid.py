@@ -154,6 +154,15 @@ def test_kernel_sparse_tile_cost(cost, splits):
     check(*args, 0.125, 16, 16, 32, num_splits=splits, sparse_cost=cost)
 
 
+@pytest.mark.parametrize("sparse_bn,block_n", [(None, 64), (32, 16), (64, 32), (128, 64)])
+def test_kernel_wide_gathered_tiles(sparse_bn, block_n):
+    # gathered tiles wider than streamed ones (SBN > BLOCK_N: more K/V bytes in flight per index round trip) cut the
+    # sparse segments differently, never the result
+    args = make_case(2, 3, 3, 64, 300, torch.bfloat16, 16, 5, 16, 32, [(0, 300), (41, 280)], [False, True, False],
+                     seed=23)
+    check(*args, 0.125, 16, 16, 32, num_splits=7, block_n=block_n, sparse_bn=sparse_bn, sparse_cost=3)
+
+
 def test_kernel_unread_selection_is_skipped():
     # a retrieval head whose selection nobody reads (select False) writes an EMPTY row; the others are unchanged
     args = make_case(2, 3, 2, 64, 200, torch.bfloat16, 16, 4, 16, 32, [(0, 200), (30, 190)], [True, True, False],
@@ -372,6 +381,11 @@ def test_kernel_mass_variant_matches_reference(case):
     check_mass(*case, device="cpu", seed=21)
 
 
+def test_kernel_mass_variant_wide_gathered_tiles():
+    # per-virtual-block sums of a gathered tile of 4 blocks (SBN 64 over BLOCK_N 16)
+    check_mass(*MASS_CASES[0], device="cpu", seed=22, block_n=16, sparse_bn=64)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("seed", [31, 32])
@@ -382,7 +396,7 @@ def test_kernel_mass_variant_gpu(seed):
                None, 16, device="cuda", seed=seed)
 
 
-def check_mass(B, Hkv, G, D, T, dtype, bs, K, sink, local, pads, retr, ns, kx, device, seed):
+def check_mass(B, Hkv, G, D, T, dtype, bs, K, sink, local, pads, retr, ns, kx, device, seed, **kw):
     """The mass variant vs the reference: outputs, index state (exact), per-block mass (poisoned first, so every
     element must be written), the same attended blocks."""
     from lychee_compile.lowering import template
@@ -396,7 +410,7 @@ def check_mass(B, Hkv, G, D, T, dtype, bs, K, sink, local, pads, retr, ns, kx, d
     ws = template.workspace(B, Hkv, G, D, T, bs, ns, q.device)
     ws["MASSO"] = torch.full((B, Hkv, nb), float("nan"), device=q.device)         # every element must be written
     out, idx_out, mass = hybrid_decode_triton(q, k, v, valid, retrieval, idx_in, D ** -0.5, bs, sink, local,
-                                              num_splits=ns, extra=extra.to(q.device), ws=ws)
+                                              num_splits=ns, extra=extra.to(q.device), ws=ws, **kw)
     ref_out, ref_idx, ref_mass = hybrid_decode_reference(q.cpu(), k.cpu(), v.cpu(), valid.cpu(), retrieval.cpu(),
                                                          idx_in.cpu(), D ** -0.5, bs, sink, local, extra=extra,
                                                          with_mass=True)

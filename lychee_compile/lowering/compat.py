@@ -8,13 +8,15 @@ Known differences handled here:
   * `SizeVarAllocator.optimization_hint` (2.13) vs `size_hint` (2.11) -> `size_hint`.
 Everything else used (compile_fx(config_patches=...), CachingAutotuner.coordinate_descent_tuning and its
 heuristic_type / compile_id / bench / clone_args / reset_to_zero_args / device_props, HeuristicType,
-CompileContext.current_compile_id, register_lowering, lowerings, empty_strided, fallback_handler, TritonTemplate,
+TritonKernel._filter_pdl / _enable_pdl_codegen / GDC_WAIT, CustomGraphPass (uuid), the config key
+post_grad_custom_post_pass, CompileContext.current_compile_id, register_lowering, lowerings, empty_strided, fallback_handler, TritonTemplate,
 SymbolicGridFn, ir.FixedLayout, ir.ExternKernel.realize_input,
 V.graph.sizevars.guard_int) has the same shape on both. Any other torch version is used at your own risk:
 `CHECKED_VERSIONS` says what was checked.
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -25,6 +27,7 @@ TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")
 
 from torch._inductor import config as inductor_config  # noqa: E402
 from torch._inductor import ir  # noqa: E402
+from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: E402
 from torch._inductor.lowering import (empty_strided, fallback_handler, lowerings,  # noqa: E402
                                       register_lowering)
 from torch._inductor.select_algorithm import (SymbolicGridFn, TritonTemplate,  # noqa: E402
@@ -35,7 +38,7 @@ from torch.utils._sympy.functions import CeilDiv  # noqa: E402
 __all__ = ["CHECKED_VERSIONS", "TORCH_VERSION", "inductor_config", "ir", "empty_strided", "fallback_handler",
            "lowerings", "register_lowering", "SymbolicGridFn", "TritonTemplate", "select_one", "V", "CeilDiv",
            "size_hint", "static_int", "compile_fx", "tune_reductions_only", "time_kernels_alone",
-           "time_kernel_alone", "install_tuning_filter", "realize",
+           "time_kernel_alone", "install_tuning_filter", "pdl_always_waits", "realize",
            "to_dtype", "fixed_layout", "triton_device_ok", "sm_count", "graph_memo"]
 
 
@@ -48,18 +51,19 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
     layer (rotary, the K and V cache writes, ...), each a launch and a latency; combined into fewer launches they
     saved 0.19-0.21 ms of a 12.4 ms step (Llama-3-8B shapes, 128K, H100, interleaved twice: BENCHMARKS.md).
     LYCHEE_COMBO_KERNELS=0 turns them off (a benchmark knob, read at compile time).
-    LYCHEE_PDL=1 (opt-in, CUDA): programmatic dependent launch for Inductor's own Triton kernels
-    (`triton.enable_pdl`, present on 2.11 and 2.13), so each can start while the kernel before it drains: -0.06 to
-    -0.10 ms of a 7.6 ms hybrid step and of a 12.1 ms dense-mode step (Llama-3-8B shapes, 128K, H100, side by side
-    in both orders: BENCHMARKS.md, session 11), and our GPU tests pass with it. Not the default: torch ships it off,
-    and Inductor makes a kernel wait (griddepcontrol.wait) before an access only when the node just before it
-    writes what it reads (or touches what it writes). What reading both versions' codegen showed (session 12;
-    codegen/triton.py _handle_pdl_*, scheduler.previous_node) and what would make that enough: every PDL kernel
-    waits before it lets its dependents launch (the wait is emitted ahead of gdc_launch_dependents), so when a
-    kernel starts early every kernel before its predecessor has finished; after a template or extern kernel (ours,
-    cuBLAS) previous_node is None and the next kernel waits before its first access; a combo kernel's parts are
-    checked against the node before the combo. Not measured together with tune_kernels, and a race would be a
-    silent wrong answer: it stays opt-in until a GPU session checks both.
+    On CUDA (compute capability 9+), programmatic dependent launch (PDL) for Inductor's own Triton kernels
+    (`triton.enable_pdl`, present on 2.11 and 2.13): a kernel may be launched while the one before it drains, and
+    its accesses that do not touch what that kernel wrote or read run before its griddepcontrol.wait. Measured:
+    -0.06 to -0.10 ms of a 7.6 ms hybrid step (Llama-3-8B shapes, 128K b1, H100, session 11) and -0.114 ms at 128K
+    b4 on the H200 (7.904 -> 7.790 ms, session 15). Why that is safe: Inductor checks a kernel's early accesses
+    against the kernel just before it only (scheduler.previous_node; none after a template or extern call, so
+    the kernel then waits before its first access), and emits gdc_launch_dependents only after a wait. So when a
+    kernel starts early, its predecessor has passed a wait, and every older kernel has completed (the wait returns
+    once the grids it depends on have completed, and they completed only after their own waits) -- provided every
+    PDL kernel waits before it completes. A kernel with no load gets no wait from Inductor and would break that
+    chain (it could complete, and release its successor, while an older kernel still runs); pdl_always_waits
+    gives each such body a wait as its first statement. Our templates and extern calls (cuBLAS) launch without
+    PDL, fully ordered. LYCHEE_PDL=0 turns PDL off (a benchmark knob, read at compile time).
 
     On CUDA with `tune` (LycheeConfig.tune_kernels, default True), Inductor's coordinate-descent tuning is on
     (`coordinate_descent_tuning`, on 2.11 and 2.13). With it, Inductor's own decomposition turns a one-row matrix
@@ -83,13 +87,43 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
     from torch._inductor.compile_fx import compile_fx as _compile_fx
     on_cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
     patches = inductor_patches(on_cuda, cuda_graphs, tune)
+    if patches.get("triton.enable_pdl"):
+        pdl_always_waits()
     if patches.get("coordinate_descent_tuning"):
         compile_id = CompileContext.current_compile_id()
         if os.environ.get("LYCHEE_TUNE_POINTWISE", "0") != "1":
             tune_reductions_only(compile_id)
         if os.environ.get("LYCHEE_TUNE_BENCH", "gpu") != "inductor":
             time_kernels_alone(compile_id)
-    return _compile_fx(gm, example_inputs, config_patches=patches)
+    _OURS_COMPILING.append(True)     # codegen runs inside this call: pdl_always_waits acts on our kernels only
+    try:
+        return _compile_fx(gm, example_inputs, config_patches=patches)
+    finally:
+        _OURS_COMPILING.pop()
+
+
+_OURS_COMPILING: list = []          # non-empty while compile_fx runs Inductor for one of our graphs
+_INDUCTOR_FILTER_PDL: dict = {}     # "method": Inductor's own TritonKernel._filter_pdl, once wrapped
+
+
+def pdl_always_waits() -> None:
+    """Wrap TritonKernel._filter_pdl once, process-wide (idempotent; the same method on 2.11 and 2.13): while one of
+    our graphs is compiled, a kernel body generated with PDL that Inductor left without griddepcontrol.wait (it
+    loads nothing) gets one as its first statement; bodies with a wait keep Inductor's placement (compile_fx says
+    why that is enough). Combo kernels filter each part's body, so every part waits. Kernels of other
+    torch.compile calls are left as Inductor makes them."""
+    from torch._inductor.codegen.triton import TritonKernel
+    if not _INDUCTOR_FILTER_PDL:
+        _INDUCTOR_FILTER_PDL["method"] = TritonKernel._filter_pdl
+        TritonKernel._filter_pdl = _filter_pdl_always_waits
+
+
+def _filter_pdl_always_waits(self, code):
+    out = _INDUCTOR_FILTER_PDL["method"](self, code)
+    if (_OURS_COMPILING and self._enable_pdl_codegen()
+            and not any(isinstance(line, str) and self.GDC_WAIT in line for line in code._lines)):
+        code._lines.insert(0, self.GDC_WAIT)
+    return out
 
 
 _POINTWISE_UNTUNED: set = set()      # Dynamo compile ids (torch._guards.CompileId) of our tuned compiles
@@ -166,8 +200,9 @@ def time_kernel_alone(tuner, launcher, *args, **kwargs) -> float:
     each after an L2 flush (a write over twice the L2). A device-side sleep ahead of them all (and a short one
     before each) holds the device while the host queues every repetition, so each launch is already queued when
     its start event fires: the interval holds the kernel, not the host's launch overhead (as long as the host
-    queues the lot within the hold: ~5 ms). Arguments are cloned once (the variant may write its in-place
-    outputs; the real ones stay untouched), and the arguments Inductor zeroes before each call are zeroed before
+    queues the lot within the hold: ~5 ms). The arguments the kernel mutates in place are cloned once (Inductor's
+    clone_args: the real ones stay untouched); output buffers are written, as by Inductor's own bench, and the
+    real launch after the tuning overwrites them. The arguments Inductor zeroes before each call are zeroed before
     each launch, outside the interval."""
     device = torch.cuda.current_device()
     cargs, ckwargs = tuner.clone_args(*args, **kwargs)
@@ -207,15 +242,46 @@ def _coordesc_reductions_only(self, launcher, *args, **kwargs):
     return _INDUCTOR_COORDESC["method"](self, launcher, *args, **kwargs)
 
 
+class CodegenKey(CustomGraphPass):
+    """A post-grad pass that changes nothing; its uuid() is a digest of our code generation (the source of the
+    lowering package: templates, lowerings, this module's codegen wrappers). Inductor's FX graph cache keys a
+    compiled graph on Inductor's config and the graph, not on our templates or on pdl_always_waits, so without it a
+    cache entry written by another version of lychee_compile (other kernel text, PDL kernels without a wait) would
+    be served as is. Installed only where the user set no post-grad pass of their own."""
+
+    def __call__(self, graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return codegen_digest() + os.environ.get("LYCHEE_SPARSE_TILE", "")
+
+
+@functools.lru_cache(maxsize=1)
+def codegen_digest() -> str:
+    """sha256 of the lowering package's Python sources (lychee_compile/lowering/*.py), in name order."""
+    import hashlib
+    folder = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for name in sorted(n for n in os.listdir(folder) if n.endswith(".py")):
+        with open(os.path.join(folder, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()
+
+
+CODEGEN_KEY = CodegenKey()
+
+
 def inductor_patches(on_cuda: bool, cuda_graphs: bool, tune: bool = True, env=os.environ) -> dict:
-    """The Inductor config patches of compile_fx (its docstring says why each)."""
+    """The Inductor config patches of compile_fx (its docstring says why each; CodegenKey says why the last)."""
     patches = {"triton.cudagraphs": bool(cuda_graphs)}
     if on_cuda and env.get("LYCHEE_COMBO_KERNELS", "1") != "0":
         patches["combo_kernels"] = True
     if on_cuda and tune and env.get("LYCHEE_TUNE", "1") != "0":
         patches["coordinate_descent_tuning"] = True
-    if on_cuda and env.get("LYCHEE_PDL", "0") == "1" and hasattr(inductor_config.triton, "enable_pdl"):
+    if on_cuda and env.get("LYCHEE_PDL", "1") != "0" and hasattr(inductor_config.triton, "enable_pdl"):
         patches["triton.enable_pdl"] = True
+    if inductor_config.post_grad_custom_post_pass is None:
+        patches["post_grad_custom_post_pass"] = CODEGEN_KEY
     return patches
 
 

@@ -33,6 +33,21 @@ def _combine_grid(b, t, meta, *, cdiv):
 _TEMPLATES = {}
 
 
+def sparse_tile(env=None) -> dict:
+    """Gathered (sparse-head) tile parameters of the split launch: tokens per tile, its loop's pipelining depth and
+    its weight in the work pool (template glossary: SBN, SPARSE_STAGES, SPARSE_COST). LYCHEE_SPARSE_TILE="bn,stages,
+    cost" overrides them (a benchmark knob, read at compile time; part of compat.CodegenKey's uuid)."""
+    import os
+    spec = (os.environ if env is None else env).get("LYCHEE_SPARSE_TILE", "")
+    if not spec:
+        return {}     # kernel_params' defaults
+    try:
+        bn, stages, cost = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"LYCHEE_SPARSE_TILE={spec!r}: expected three integers 'bn,stages,cost', e.g. '128,2,4'")
+    return dict(sparse_bn=bn, sparse_stages=stages, sparse_cost=cost)
+
+
 def templates(mass: bool = False):
     """(split, combine) TritonTemplates; mass: the variant with extra blocks and per-block mass."""
     if not _TEMPLATES:
@@ -158,6 +173,7 @@ def _lower(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tok
     sp, cp = kernel_params(G=G, Hkv=Hkv, D=D, K_sel=K_sel, block_size=int(block_size), sink_tokens=int(sink_tokens),
                            local_tokens=int(local_tokens), scale=float(scale), num_splits=num_splits,
                            nb_hint=nb_hint, policy=int(policy), policy_param=float(policy_param), mass=mass,
+                           **sparse_tile(),
                            extra_width=compat.static_int(extra.get_size()[2]) if mass else 0, defer=defer)
     sp = dict(sp, DOT_UPCAST=interpreting())
     NB = compat.CeilDiv(T, int(block_size))

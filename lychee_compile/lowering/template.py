@@ -49,6 +49,8 @@ GLOSSARY = '''
     # GP       G padded for tl.dot (>= 16)     G2     G padded to a power of two (combine)
     # D        head dim (constexpr: 64/128/256)
     # BS       tokens per KV block             BLOCK_N tokens per tile (multiple of BS)   NBT = BLOCK_N // BS
+    # SBN      tokens per gathered (sparse-head) tile (multiple of BS)                   NBTS = SBN // BS
+    # SPARSE_STAGES  software-pipelining depth of the gathered-tile loop (the streamed loop takes the launch's)
     # KSEL     index-state width K             KP     KSEL padded to a power of two
     # NBR      widest key row kept in registers by the selection; NR1 <= NR2 <= NBR narrower tiers, NRT = NR2 / 8
     #          a tail row beside NR2 (combine only)
@@ -60,8 +62,9 @@ GLOSSARY = '''
     # POLICY, PARAM  selection policy code (policies.POLICIES: 0 topk, 1 topp, 2 threshold, 3 ratio) and its
     #          p / tau / theta: a retrieval head keeps the top n <= KSEL candidates (combine only)
     # SINK, LOCAL   sink / local token counts;  S_MAX, L_MAX  most blocks they can touch (ceil(n / BS) + 1, or 0)
-    # SPARSE_COST work units per gathered tile in the pool (a streamed retrieval tile is 1 unit; 2 measured best
-    #             on the H100: BENCHMARKS.md)
+    # SPARSE_COST work units per gathered tile in the pool (a streamed retrieval tile is 1 unit); default
+    #             SBN 128 / SPARSE_STAGES 2 / SPARSE_COST 3: the split 2-9% faster than 64 / 3 / 2 on five H100
+    #             rows (BENCHMARKS.md, session 15): twice the K/V bytes in flight per index round trip
     # BLSE_SUMS   0: block sums of a tile by reshape, 1: by NBT masked row sums (a tuning variant, same math)
     # SC       partial slots the combine's merge loop reads per iteration (one load round trip each)
     # NUM_SPLITS  programs of the split launch (fixed grid, from the SM count); a segment's partials use slots
@@ -85,7 +88,8 @@ GLOSSARY = '''
     #                                candidates, of -score for
     #                                sink / local blocks (negative ints), -1 for the other blocks
     # OUT     [B, HKV*G, 1, D] q.dtype
-    # seg = b * HKV + h; tile lt of a segment covers virtual tokens [lt*BLOCK_N, (lt+1)*BLOCK_N)
+    # seg = b * HKV + h; tile lt of a retrieval segment covers tokens [lt*BLOCK_N, (lt+1)*BLOCK_N), of a sparse
+    #     segment virtual tokens [lt*SBN, (lt+1)*SBN)
     # sparse virtual blocks: [0, S_MAX) sink, [S_MAX, S_MAX+L_MAX) local, then KSEL inherited slots, then KX extra
     # ---------------------------------------------------------------------------------------------------------
 '''
@@ -172,7 +176,8 @@ SPLIT_BODY = '''
     {{extra_strides}}
     NB = (T + BS - 1) // BS
     NBT: tl.constexpr = BLOCK_N // BS
-    NTS: tl.constexpr = (NVB * BS + BLOCK_N - 1) // BLOCK_N
+    NBTS: tl.constexpr = SBN // BS
+    NTS: tl.constexpr = (NVB * BS + SBN - 1) // SBN
 
     # work pool: tiles per segment from the runtime head kinds, prefix sums over heads, equal cut into slices
     hh, rflag, ntile, cum_incl, R, TV = _lychee_work_pool(RETR, TVP, NTS, HKV, HKV_P, BLOCK_N, SPARSE_COST)
@@ -235,8 +240,9 @@ SPLIT_BODY = '''
             x_base = {{extra_row}}
             # units [lt0, lt1) of the segment -> the tiles whose first unit lies in them (an empty range still
             # writes its (empty) partial, which the combine merges as nothing)
-            for lt in range((lt0 + SPARSE_COST - 1) // SPARSE_COST, (lt1 + SPARSE_COST - 1) // SPARSE_COST):
-                n = lt * BLOCK_N + offs_n
+            for lt in tl.range((lt0 + SPARSE_COST - 1) // SPARSE_COST, (lt1 + SPARSE_COST - 1) // SPARSE_COST,
+                               num_stages=SPARSE_STAGES):
+                n = lt * SBN + tl.arange(0, SBN)
                 blk, ok = _lychee_virtual_blocks(n // BS, sb0, sb1, lb0, lb1, idx_base, stride_ik, x_base,
                                                  stride_xk, NB, S_MAX, L_MAX, KSEL, KX)
                 tok = blk * BS + (n % BS)
@@ -248,7 +254,7 @@ SPLIT_BODY = '''
                 m_i, l_i, acc, p, m_use = _lychee_tile(q, kt, vt, ok, m_i, l_i, acc, QK_SCALE_LOG2, DOT_UPCAST)
                 if MASS:    # per virtual block (the combine maps them to real blocks)
                     _lychee_store_block_lse(VBLSE + (seg.to(tl.int64) * G) * NVB, p, m_use, lt, offs_g, g_ok, NVB,
-                                            GP, BS, NBT, BLSE_SUMS)
+                                            GP, BS, NBTS, BLSE_SUMS)
         prow = seg * NUM_SPLITS + slot
         tl.store(PM + prow * G + offs_g, m_i, mask=g_ok)
         tl.store(PL + prow * G + offs_g, l_i, mask=g_ok)
@@ -317,7 +323,7 @@ COMBINE_BODY = '''
     {{extra_strides}}
     NB = (T + BS - 1) // BS
     NKC = (NB + KC - 1) // KC
-    NTS: tl.constexpr = (NVB * BS + BLOCK_N - 1) // BLOCK_N
+    NTS: tl.constexpr = (NVB * BS + SBN - 1) // SBN
     # the same work pool as the split launch (one helper, so the two can never disagree on who wrote which slot)
     hh, rflag, ntile, cum_incl, R, TV = _lychee_work_pool(RETR, TVP, NTS, HKV, HKV_P, BLOCK_N, SPARSE_COST)
     W = B * R
@@ -798,7 +804,8 @@ def _next_pow2(n: int) -> int:
 @functools.lru_cache(maxsize=None)
 def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink_tokens: int, local_tokens: int,
                   scale: float, num_splits: int, nb_hint: int, block_n: int = 64, nbr_max: int = 16384,
-                  blse_sums: int = 0, sparse_cost: int = 2, policy: int = 0,
+                  blse_sums: int = 0, sparse_cost: int = 3, sparse_bn: int | None = 128, sparse_stages: int = 2,
+                  policy: int = 0,
                   policy_param: float = 0.0, select_tiers: tuple = (1024, 8192), mass: bool = False,
                   extra_width: int = 0, sel_probe: int = 0, defer: bool = False, slot_chunk: int = 64):
     """Constexpr parameters shared by both kernels (a plain dict, hashable inputs only). mass / extra_width: the
@@ -808,10 +815,11 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
     selection constexprs serve both kernels)."""
     bs = int(block_size)
     block_n = max(int(block_n), bs)
-    assert block_n % bs == 0, (block_n, bs)
+    sbn = block_n if sparse_bn is None else max(int(sparse_bn), bs)
+    assert block_n % bs == 0 and sbn % bs == 0, (block_n, sbn, bs)
     g2 = _next_pow2(G)
     common = dict(
-        G=G, GP=max(16, g2), G2=g2, HKV=Hkv, HKV_P=_next_pow2(Hkv), D=D, BS=bs, BLOCK_N=block_n,
+        G=G, GP=max(16, g2), G2=g2, HKV=Hkv, HKV_P=_next_pow2(Hkv), D=D, BS=bs, BLOCK_N=block_n, SBN=sbn,
         KSEL=K_sel, KP=_next_pow2(max(K_sel, 1)), SINK=sink_tokens, LOCAL=local_tokens,
         S_MAX=(-(-sink_tokens // bs) + 1) if sink_tokens > 0 else 0,
         L_MAX=(-(-local_tokens // bs) + 1) if local_tokens > 0 else 0,
@@ -821,7 +829,7 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
     common.update(NVB=common["S_MAX"] + common["L_MAX"] + K_sel + common["KX"])
     common.update(NVBP=_next_pow2(common["NVB"]))
     split = dict(common, QK_SCALE_LOG2=float(scale) * 1.4426950408889634, DOT_UPCAST=interpreting(),
-                 BLSE_SUMS=int(blse_sums))
+                 BLSE_SUMS=int(blse_sums), SPARSE_STAGES=int(sparse_stages))
     nbr = max(16, min(nbr_max, _next_pow2(nb_hint)))
     nr2 = min(_next_pow2(select_tiers[1]), nbr)
     nrt = max(1, nr2 // 8)
@@ -1009,7 +1017,8 @@ def _arg_values(args, tensors):
 
 def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, out=None,
                    idx_out=None, num_splits=None, block_n=64, nbr_max=16384, ws=None, split_warps=4,
-                   split_stages=3, combine_warps=None, blse_sums=0, sparse_cost=2, select=None,
+                   split_stages=3, combine_warps=None, blse_sums=0, sparse_cost=3, sparse_bn=128, sparse_stages=2,
+                   select=None,
                    policy=0, policy_param=0.0, select_tiers=(1024, 8192), extra=None, with_mass=False,
                    sel_probe=0, defer=False, defer_launch=True, slot_chunk=64):
     """Bind both kernels to fixed buffers: returns (split(), combine(), out, idx_out, mass or None). Nothing is
@@ -1029,6 +1038,7 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
     sp, cp = kernel_params(G=G, Hkv=Hkv, D=D, K_sel=K_sel, block_size=block_size, sink_tokens=sink_tokens,
                            local_tokens=local_tokens, scale=float(scale), num_splits=num_splits, nb_hint=nb,
                            block_n=block_n, nbr_max=nbr_max, blse_sums=blse_sums, sparse_cost=sparse_cost,
+                           sparse_bn=sparse_bn, sparse_stages=sparse_stages,
                            policy=policy, policy_param=policy_param, select_tiers=tuple(select_tiers),
                            mass=with_mass or extra is not None, extra_width=0 if extra is None else extra.shape[-1],
                            sel_probe=sel_probe, defer=defer, slot_chunk=slot_chunk)
