@@ -78,7 +78,8 @@ def test_pdl_kernels_all_wait_and_change_no_token_gpu(monkeypatch):
                if "'launch_pdl': True" in src]
     assert kernels, "no kernel of the compiled step was generated with PDL"
     for name, src in kernels:
-        assert waits_before_release(src.split("):\n", 1)[1]), (name, src)
+        body = src.split("):\n", 1)[1]
+        assert waits_before_release(body), (name, [x for x in body.splitlines() if "pid" in x or "gdc_" in x])
     ours = [src for code in codes for name, src in PDL_KERNEL.findall(code) if name.startswith("triton_tem")
             and "hybrid_decode" in name]
     assert ours and not any("'launch_pdl': True" in src for src in ours), "our templates launch without PDL"
@@ -88,9 +89,10 @@ def test_pdl_kernels_all_wait_and_change_no_token_gpu(monkeypatch):
 
 
 def waits_before_release(body: str) -> bool:
-    """Each part of a kernel body (a combo kernel's `if pid < ...` branches, else the whole body) calls gdc_wait,
+    """Each part of a kernel body (a combo kernel's `if pid ...` branches: by range or round robin, else the whole
+    body) calls gdc_wait,
     and calls gdc_launch_dependents, if at all, after it."""
-    parts = (re.split(r"\n\s*(?:el)?if pid < [^\n]*:\n", body)[1:] if body.lstrip().startswith("pid = tl.program_id")
+    parts = (re.split(r"\n\s*(?:el)?if pid\b[^\n]*:\n", body)[1:] if body.lstrip().startswith("pid = tl.program_id")
              else [body])
     for part in parts:
         wait = part.find("tl.extra.cuda.gdc_wait()")
@@ -110,3 +112,6 @@ def test_waits_before_release_reads_kernel_bodies():
              "    elif pid < n1:\n        {b}\n        tl.store(c, 1)\n    else:\n        pass\n")
     assert waits_before_release(combo.format(a=w, b=w))
     assert not waits_before_release(combo.format(a=w, b="pass"))
+    round_robin = combo.replace("if pid < n0", "if pid % 2 == 0").replace("elif pid < n1", "elif pid % 2 == 1")
+    assert waits_before_release(round_robin.format(a=w, b=w))
+    assert not waits_before_release(round_robin.format(a="pass", b=w))
