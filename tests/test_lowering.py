@@ -145,6 +145,23 @@ def test_codegen_key_follows_the_lowering_sources_and_spares_a_users_pass(monkey
         assert "post_grad_custom_post_pass" not in compat.inductor_patches(True, True, env={})
 
 
+def test_sparse_tile_knob_reads_three_integers_or_keeps_the_defaults():
+    # LYCHEE_SPARSE_TILE (a benchmark knob) sets the gathered tile of the split launch; malformed, it says what it
+    # wants instead of compiling something else
+    from lychee_compile.lowering.lower import sparse_tile
+    from lychee_compile.lowering.template import kernel_params
+    assert sparse_tile({}) == {}
+    assert sparse_tile({"LYCHEE_SPARSE_TILE": "64,3,2"}) == dict(sparse_bn=64, sparse_stages=3, sparse_cost=2)
+    with pytest.raises(ValueError, match="three integers"):
+        sparse_tile({"LYCHEE_SPARSE_TILE": "128,2"})
+    sp, cp = kernel_params(G=4, Hkv=8, D=128, K_sel=256, block_size=16, sink_tokens=16, local_tokens=64, scale=0.1,
+                           num_splits=264, nb_hint=8192, **sparse_tile({"LYCHEE_SPARSE_TILE": "64,3,2"}))
+    assert (sp["SBN"], sp["SPARSE_STAGES"], sp["SPARSE_COST"], cp["SBN"]) == (64, 3, 2, 64)
+    sp, _ = kernel_params(G=4, Hkv=8, D=128, K_sel=256, block_size=16, sink_tokens=16, local_tokens=64, scale=0.1,
+                          num_splits=264, nb_hint=8192)
+    assert (sp["SBN"], sp["SPARSE_STAGES"], sp["SPARSE_COST"]) == (128, 2, 3)
+
+
 def test_every_pdl_kernel_of_our_compiles_waits():
     # compat.pdl_always_waits: while one of our graphs compiles, a PDL kernel body that Inductor left without
     # griddepcontrol.wait (no load) gets one first; a body with loads keeps Inductor's placement (its first wait

@@ -9,8 +9,8 @@ Known differences handled here:
 Everything else used (compile_fx(config_patches=...), CachingAutotuner.coordinate_descent_tuning and its
 heuristic_type / compile_id / bench / clone_args / reset_to_zero_args / device_props, HeuristicType,
 TritonKernel._filter_pdl / _enable_pdl_codegen / GDC_WAIT, CustomGraphPass (uuid), the config key
-post_grad_custom_post_pass, CompileContext.current_compile_id, register_lowering, lowerings, empty_strided, fallback_handler, TritonTemplate,
-SymbolicGridFn, ir.FixedLayout, ir.ExternKernel.realize_input,
+post_grad_custom_post_pass, CompileContext.current_compile_id, register_lowering, lowerings, empty_strided,
+fallback_handler, TritonTemplate, SymbolicGridFn, ir.FixedLayout, ir.ExternKernel.realize_input,
 V.graph.sizevars.guard_int) has the same shape on both. Any other torch version is used at your own risk:
 `CHECKED_VERSIONS` says what was checked.
 """
