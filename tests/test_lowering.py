@@ -145,6 +145,36 @@ def test_codegen_key_follows_the_lowering_sources_and_spares_a_users_pass(monkey
         assert "post_grad_custom_post_pass" not in compat.inductor_patches(True, True, env={})
 
 
+def test_fx_graph_cache_misses_when_our_codegen_changes(monkeypatch):
+    # end to end through Inductor's FX graph cache: the same graph compiled again hits the cache; once the digest of
+    # our lowering sources differs (another lychee_compile version), the entry is not served
+    import uuid
+
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as icfg
+    from lychee_compile.lowering import compat
+
+    def backend(gm, example_inputs):
+        return compat.compile_fx(gm, example_inputs, cuda_graphs=False, tune=False)
+
+    def compile_once():
+        torch._dynamo.reset()
+        x = torch.randn(8)
+        torch.testing.assert_close(torch.compile(lambda t: (t.cos() * 3).sum(), backend=backend)(x),
+                                   (x.cos() * 3).sum())
+        return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+    with icfg.patch(fx_graph_cache=True, force_disable_caches=False):
+        compile_once()
+        before = counters["inductor"]["fxgraph_cache_hit"]
+        hit0, miss0 = compile_once()
+        assert hit0 == before + 1, "the same graph and codegen must hit Inductor's cache (else this proves nothing)"
+        other = f"another lychee_compile {uuid.uuid4().hex}"      # never in the on-disk cache of an earlier run
+        monkeypatch.setattr(compat, "codegen_digest", lambda: other)
+        hit1, miss1 = compile_once()
+        assert (hit1, miss1) == (hit0, miss0 + 1)
+
+
 def test_sparse_tile_knob_reads_three_integers_or_keeps_the_defaults():
     # LYCHEE_SPARSE_TILE (a benchmark knob) sets the gathered tile of the split launch; malformed, it says what it
     # wants instead of compiling something else
