@@ -89,9 +89,8 @@ def test_pdl_kernels_all_wait_and_change_no_token_gpu(monkeypatch):
 
 
 def waits_before_release(body: str) -> bool:
-    """Each part of a kernel body (a combo kernel's `if pid ...` branches: by range or round robin, else the whole
-    body) calls gdc_wait,
-    and calls gdc_launch_dependents, if at all, after it."""
+    """Each part of a kernel body (a combo kernel's `if pid ...` branches, by range or round robin; else the whole
+    body) calls gdc_wait, and calls gdc_launch_dependents, if at all, after it."""
     parts = (re.split(r"\n\s*(?:el)?if pid\b[^\n]*:\n", body)[1:] if body.lstrip().startswith("pid = tl.program_id")
              else [body])
     for part in parts:

@@ -8,6 +8,8 @@ compiled kernel pair serves every layer and head map.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import compat
@@ -37,7 +39,6 @@ def sparse_tile(env=None) -> dict:
     """Gathered (sparse-head) tile parameters of the split launch: tokens per tile, its loop's pipelining depth and
     its weight in the work pool (template glossary: SBN, SPARSE_STAGES, SPARSE_COST). LYCHEE_SPARSE_TILE="bn,stages,
     cost" overrides them (a benchmark knob, read at compile time; part of compat.CodegenKey's uuid)."""
-    import os
     spec = (os.environ if env is None else env).get("LYCHEE_SPARSE_TILE", "")
     if not spec:
         return {}     # kernel_params' defaults
