@@ -8,7 +8,9 @@ Known differences handled here:
   * `SizeVarAllocator.optimization_hint` (2.13) vs `size_hint` (2.11) -> `size_hint`.
 Everything else used (compile_fx(config_patches=...), CachingAutotuner.coordinate_descent_tuning and its
 heuristic_type / compile_id / bench / clone_args / reset_to_zero_args / device_props, HeuristicType,
-TritonKernel._filter_pdl / _enable_pdl_codegen / GDC_WAIT, CustomGraphPass (uuid), the config key
+TritonKernel._filter_pdl / _enable_pdl_codegen / GDC_WAIT, ForeachKernelSchedulerNode
+.group_algorithm_for_combo_kernels / set_group_algorithm_for_combo_kernels, SchedulerBuffer.users, OutputNode,
+BaseSchedulerNode.get_outputs / ancestors / get_name / get_device, CustomGraphPass (uuid), the config key
 post_grad_custom_post_pass, CompileContext.current_compile_id, register_lowering, lowerings, empty_strided,
 fallback_handler, TritonTemplate, SymbolicGridFn, ir.FixedLayout, ir.ExternKernel.realize_input,
 V.graph.sizevars.guard_int) has the same shape on both. Any other torch version is used at your own risk:
@@ -39,7 +41,8 @@ __all__ = ["CHECKED_VERSIONS", "TORCH_VERSION", "inductor_config", "ir", "empty_
            "lowerings", "register_lowering", "SymbolicGridFn", "TritonTemplate", "select_one", "V", "CeilDiv",
            "size_hint", "static_int", "compile_fx", "tune_reductions_only", "time_kernels_alone",
            "time_kernel_alone", "install_tuning_filter", "pdl_always_waits", "realize",
-           "to_dtype", "fixed_layout", "triton_device_ok", "sm_count", "graph_memo"]
+           "to_dtype", "fixed_layout", "triton_device_ok", "sm_count", "graph_memo", "combo_step_ends",
+           "combo_knobs", "tail_writes", "input_reads"]
 
 
 def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
@@ -50,7 +53,8 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
     On CUDA, Inductor's combo kernels are on: a decode step is ~8 tiny independent pointwise / norm kernels per
     layer (rotary, the K and V cache writes, ...), each a launch and a latency; combined into fewer launches they
     saved 0.19-0.21 ms of a 12.4 ms step (Llama-3-8B shapes, 128K, H100, interleaved twice: BENCHMARKS.md).
-    LYCHEE_COMBO_KERNELS=0 turns them off (a benchmark knob, read at compile time).
+    LYCHEE_COMBO_KERNELS=0 turns them off (a benchmark knob, read at compile time). With them, the small kernels
+    that read graph inputs only, and the write-backs nothing reads, each run as one combo kernel (combo_step_ends).
     On CUDA (compute capability 9+), programmatic dependent launch (PDL) for Inductor's own Triton kernels
     (`triton.enable_pdl`, present on 2.11 and 2.13): a kernel may be launched while the one before it drains, and
     its accesses that do not touch what that kernel wrote or read run before its griddepcontrol.wait. Measured:
@@ -89,6 +93,8 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
     patches = inductor_patches(on_cuda, cuda_graphs, tune)
     if patches.get("triton.enable_pdl"):
         pdl_always_waits()
+    if patches.get("combo_kernels"):
+        combo_step_ends()
     if patches.get("coordinate_descent_tuning"):
         compile_id = CompileContext.current_compile_id()
         if os.environ.get("LYCHEE_TUNE_POINTWISE", "0") != "1":
@@ -124,6 +130,109 @@ def _filter_pdl_always_waits(self, code):
             and not any(isinstance(line, str) and self.GDC_WAIT in line for line in code._lines)):
         code._lines.insert(0, self.GDC_WAIT)
     return out
+
+
+_INDUCTOR_COMBO_GROUPS: dict = {}   # "algorithm": Inductor's own combo-kernel grouping, once wrapped
+
+
+def combo_step_ends() -> None:
+    """Wrap Inductor's combo-kernel grouping once, process-wide (idempotent; the class attribute
+    ForeachKernelSchedulerNode.group_algorithm_for_combo_kernels on 2.11 and 2.13): while one of our graphs is
+    compiled, two more groups are taken out of the groups Inductor made, each run as one combo kernel:
+      * the input reads (`input_reads`): small kernels that read graph inputs only, e.g. each layer's head kinds
+        (RETR, SEL) cast from the head-kinds state, which Inductor places right before each layer's attention;
+      * the tail writes (`tail_writes`): the write-backs of mutated graph inputs that nothing in the graph reads,
+        e.g. the static cache's per-layer length counters (`cumulative_length.add_(1)`, transformers 5.17-5.24).
+    Why: Inductor groups nodes of one topological level only (and at most 8), so these stayed kernels of their own:
+    ~31 + 32 launches of ~1 us each in a Llama-3-8B step, plus a launch gap each (H200 profiles, sessions 13, 16).
+    Safe: an input read depends on no other kernel, so the group depends on none and runs first; nothing in the graph
+    reads what a tail write writes, so none depends on another (checked from the scheduler's ancestors) and delaying
+    them changes no value. Other compiles keep Inductor's grouping; LYCHEE_COMBO_HEAD=0 / LYCHEE_COMBO_TAIL=0 keep it
+    for ours too (benchmark knobs, read at compile time; CodegenKey covers them)."""
+    from torch._inductor.scheduler import ForeachKernelSchedulerNode
+    if not _INDUCTOR_COMBO_GROUPS:
+        _INDUCTOR_COMBO_GROUPS["algorithm"] = ForeachKernelSchedulerNode.group_algorithm_for_combo_kernels
+        ForeachKernelSchedulerNode.set_group_algorithm_for_combo_kernels(_our_combo_groups)
+
+
+def combo_knobs(env=os.environ) -> str:
+    """The step-end groups turned off by benchmark knobs, as text for CodegenKey ("" by default)."""
+    return "".join(f"no-{k}" for k in ("head", "tail") if env.get(f"LYCHEE_COMBO_{k.upper()}", "1") == "0")
+
+
+def _our_combo_groups(scheduler):
+    groups = _INDUCTOR_COMBO_GROUPS["algorithm"](scheduler)
+    if not _OURS_COMPILING:
+        return groups
+    off = combo_knobs()
+    ours = [[n for n in find(scheduler.nodes) if _gpu_node(n)]      # Inductor's grouping leaves CPU nodes out
+            for key, find in (("head", input_reads), ("tail", tail_writes)) if f"no-{key}" not in off]
+    ours = [g for g in ours if len(g) > 1]
+    taken = {n for g in ours for n in g}
+    rest = [[n for n in g if n not in taken] for g in groups]
+    return [g for g in rest if g] + ours
+
+
+INPUT_READ_MAX_NUMEL = 1 << 16      # elements: what is hoisted to the start of the step stays small
+
+
+def input_reads(nodes) -> list:
+    """The scheduler nodes among `nodes` (in order) that depend on no other node (they read graph inputs only, no
+    ordering constraint either) and are small pointwise Inductor kernels (<= INPUT_READ_MAX_NUMEL elements, known
+    at compile time; not a no-op node, not a template or extern call), writing no graph input."""
+    from torch._inductor.scheduler import FusedSchedulerNode, ForeachKernelSchedulerNode, SchedulerNode
+    out = []
+    for node in nodes:
+        if (not isinstance(node, (SchedulerNode, FusedSchedulerNode)) or isinstance(node, ForeachKernelSchedulerNode)
+                or node.unmet_dependencies
+                or node.is_template() or node.is_extern() or node.is_reduction() or not node.get_outputs()):
+            continue
+        if any(buf.node.get_mutation_names() for buf in node.get_outputs()):
+            continue
+        numel = _numel(node)
+        if numel is not None and numel <= INPUT_READ_MAX_NUMEL:
+            out.append(node)
+    return out
+
+
+def _numel(node):
+    """Elements of a pointwise node's iteration space (node.group[1][0]: a size on the Triton backend, a tuple of
+    sizes on the C++ one), or None where it is not a number at compile time."""
+    import sympy
+    size = node.group[1][0]
+    n = sympy.Mul(*size) if isinstance(size, (tuple, list)) else sympy.sympify(size)
+    return int(n) if n.is_number else None
+
+
+def _gpu_node(node) -> bool:
+    device = node.get_device()
+    return device is not None and device.type not in ("cpu", "mps")
+
+
+def tail_writes(nodes) -> list:
+    """The scheduler nodes among `nodes` (in order) that only write mutated graph inputs back (a static cache's
+    counter, a state buffer): some output mutates a graph input, and every output is used only by the node itself
+    or, if it is such a write-back, as a graph output. Inductor kernels only (no template or extern call), and none
+    depending on another. Nothing in the graph waits for them."""
+    from torch._inductor.scheduler import OutputNode
+    inputs = set(V.graph.graph_inputs)
+    found = [n for n in nodes if not (n.is_template() or n.is_extern()) and _writes_back_only(n, inputs, OutputNode)]
+    names = {x.get_name() for n in found for x in n.get_nodes()}
+    return [n for n in found
+            if not ((set(getattr(n, "ancestors", ())) - {x.get_name() for x in n.get_nodes()}) & names)]
+
+
+def _writes_back_only(node, inputs: set, output_node) -> bool:
+    own = {x.get_name() for x in node.get_nodes()}
+    writes = False
+    for buf in node.get_outputs():
+        mutated = set(buf.node.get_mutation_names())
+        back = bool(mutated) and mutated <= inputs
+        for user in buf.users:
+            if not (user.get_name() in own or (back and isinstance(user.node, output_node))):
+                return False
+        writes |= back
+    return writes
 
 
 _POINTWISE_UNTUNED: set = set()      # Dynamo compile ids (torch._guards.CompileId) of our tuned compiles
@@ -253,9 +362,9 @@ class CodegenKey(CustomGraphPass):
         return None
 
     def uuid(self) -> str:
-        from .lower import sparse_tile      # the one benchmark knob that changes our kernels' constexprs
+        from .lower import sparse_tile      # the benchmark knobs that change our code: the kernels' constexprs,
         tile = sparse_tile()
-        return codegen_digest() + (repr(sorted(tile.items())) if tile else "")
+        return codegen_digest() + (repr(sorted(tile.items())) if tile else "") + combo_knobs()  # and the grouping
 
 
 @functools.lru_cache(maxsize=1)
