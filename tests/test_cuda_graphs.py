@@ -57,10 +57,10 @@ PDL_KERNEL = re.compile(r"async_compile\.triton\('(\w+)', '''(.*?)'''", re.S)
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs CUDA compute capability 9+ (programmatic dependent launch)")
 def test_pdl_kernels_all_wait_and_change_no_token_gpu(monkeypatch):
-    # PDL is on by default on sm_90+ (compat.compile_fx): every part of every Inductor kernel of the step launched
-    # with it calls griddepcontrol.wait (compat.pdl_always_waits), and launches its dependents only after it; the
-    # tokens are those of the same model compiled without PDL, and two runs of one compiled model give
-    # bit-identical logits (a race between overlapping kernels would show as a difference)
+    # PDL is on by default on sm_90+ (compat.compile_fx): every part of every kernel of the step launched with it
+    # calls griddepcontrol.wait (compat.pdl_always_waits, our templates' own), and launches its dependents only
+    # after it; the tokens are those of the same model compiled without PDL, and two runs of one compiled model
+    # give bit-identical logits (a race between overlapping kernels would show as a difference)
     from torch._inductor import config as icfg
     from torch._inductor.utils import run_and_get_code
     ids, mask = (x.cuda() for x in make_batch(lengths=(90, 71)))
@@ -80,9 +80,15 @@ def test_pdl_kernels_all_wait_and_change_no_token_gpu(monkeypatch):
     for name, src in kernels:
         body = src.split("):\n", 1)[1]
         assert waits_before_release(body), (name, [x for x in body.splitlines() if "pid" in x or "gdc_" in x])
-    ours = [src for code in codes for name, src in PDL_KERNEL.findall(code) if name.startswith("triton_tem")
+    ours = [(name, src) for code in codes for name, src in PDL_KERNEL.findall(code) if name.startswith("triton_tem")
             and "hybrid_decode" in name]
-    assert ours and not any("'launch_pdl': True" in src for src in ours), "our templates launch without PDL"
+    # our templates launch with PDL too (compat.pdl_templates), each waiting before its first access
+    assert ours and all("'launch_pdl': True" in src for _, src in ours), [n for n, _ in ours]
+    for name, src in ours:
+        body = src.split("):\n", 1)[1]
+        first_access = min(i for i in (body.find("tl.load("), body.find("tl.store("), body.find("tl.atomic"))
+                           if i >= 0)
+        assert -1 < body.find("tl.extra.cuda.gdc_wait()") < first_access, name
     assert torch.equal(seq, plain_seq)
     assert (logits.float() - plain_logits.float()).abs().max() < 5e-2
     assert torch.equal(seq2, seq) and torch.equal(logits2, logits)

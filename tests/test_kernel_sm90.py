@@ -45,6 +45,11 @@ for G, Hkv, D, K, dt, nb, policy, param, *kx in json.loads(sys.argv[1]):
                               defer=True)
         r["deferred_combine_ptx"] = cross_compile("combine", cd, dtype=dt, num_warps=4, num_stages=1).asm["ptx"]
         r["select_ptx"] = cross_compile("select", cd, num_warps=16, num_stages=1).asm["ptx"]
+        if not res:   # programmatic dependent launch (PDL=1, what the lowering sets on sm_90+): the first config
+            r["pdl_split_ptx"] = cross_compile("split", dict(sp, PDL=1), dtype=dt, num_warps=4,
+                                               num_stages=3).asm["ptx"]
+            r["pdl_combine_ptx"] = cross_compile("combine", dict(cd, PDL=1), dtype=dt, num_warps=4,
+                                                 num_stages=1).asm["ptx"]
     res.append(r)
 print("RESULT" + json.dumps(res))
 """
@@ -57,7 +62,7 @@ def test_cross_compile_sm90():
                        timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(p.stdout.split("RESULT", 1)[1])
-    assert len(res) == len(CONFIGS)
+    assert len(res) == len(CONFIGS) and "pdl_split_ptx" in res[0]
     for (G, Hkv, D, K, dt, nb, policy, *_), r in zip(CONFIGS, res):
         sp = r["split_ptx"]
         assert ".target sm_90" in sp  # sm_90 or sm_90a
@@ -71,6 +76,14 @@ def test_cross_compile_sm90():
             assert "div.rn.f32" in r["combine_ptx"]
         if policy in (1, 3):   # topp's tie count and ratio's ceil(theta * valid blocks) round towards zero
             assert "cvt.rzi.s32.f32" in r["combine_ptx"]
+        for kernel in ("split", "combine"):    # PDL=0 (standalone, interpreter, no PDL): no grid-dependency control
+            assert "griddepcontrol" not in r[f"{kernel}_ptx"]
+        if "pdl_split_ptx" in r:    # PDL=1: both wait; the split releases its dependents after the wait
+            for kernel in ("split", "combine"):
+                assert "griddepcontrol.wait" in r[f"pdl_{kernel}_ptx"], kernel
+            ps = r["pdl_split_ptx"]
+            assert -1 < ps.find("griddepcontrol.wait") < ps.find("griddepcontrol.launch_dependents")
+            assert "griddepcontrol.launch_dependents" not in r["pdl_combine_ptx"]
         if "select_ptx" in r:
             # DEFER: no ticket (the top-k's atomic) in the combine; the top-k kernel's block-wide counting passes
             assert "atom.global" not in r["deferred_combine_ptx"] and ".target sm_90" in r["select_ptx"]

@@ -42,7 +42,7 @@ __all__ = ["CHECKED_VERSIONS", "TORCH_VERSION", "inductor_config", "ir", "empty_
            "size_hint", "static_int", "compile_fx", "tune_reductions_only", "time_kernels_alone",
            "time_kernel_alone", "install_tuning_filter", "pdl_always_waits", "realize",
            "to_dtype", "fixed_layout", "triton_device_ok", "sm_count", "graph_memo", "combo_step_ends",
-           "combo_knobs", "tail_writes", "input_reads"]
+           "combo_knobs", "tail_writes", "input_reads", "pdl_templates"]
 
 
 def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
@@ -66,8 +66,9 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
     once the grids it depends on have completed, and they completed only after their own waits) -- provided every
     PDL kernel waits before it completes. A kernel with no load gets no wait from Inductor and would break that
     chain (it could complete, and release its successor, while an older kernel still runs); pdl_always_waits
-    gives each such body a wait as its first statement. Our templates and extern calls (cuBLAS) launch without
-    PDL, fully ordered. LYCHEE_PDL=0 turns PDL off (a benchmark knob, read at compile time).
+    gives each such body a wait as its first statement. Our templates launch with PDL too and wait before their
+    first access (pdl_templates); extern calls (cuBLAS) launch without PDL, fully ordered. LYCHEE_PDL=0 turns PDL
+    off (a benchmark knob, read at compile time).
 
     On CUDA with `tune` (LycheeConfig.tune_kernels, default True), Inductor's coordinate-descent tuning is on
     (`coordinate_descent_tuning`, on 2.11 and 2.13). With it, Inductor's own decomposition turns a one-row matrix
@@ -106,6 +107,21 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
         return _compile_fx(gm, example_inputs, config_patches=patches)
     finally:
         _OURS_COMPILING.pop()
+
+
+def pdl_templates(device) -> bool:
+    """Launch our two templates with programmatic dependent launch: where Inductor generates PDL kernels for this
+    compile (config.triton.enable_pdl, set by inductor_patches) on a CUDA device of compute capability 9+, unless
+    LYCHEE_PDL_TEMPLATES=0 (a benchmark knob, read at compile time; CodegenKey covers it). Inductor never gives a
+    template PDL (TritonKernel._enable_pdl_codegen); ours make it safe themselves: each program waits
+    (griddepcontrol.wait) before its first memory access, so it never overlaps what came before, and the split
+    releases the combine only once its own work is done; the chain argument of compile_fx holds unchanged (a
+    template waits before it completes). What it buys: each launch's latency overlaps the kernel before it."""
+    if not getattr(inductor_config.triton, "enable_pdl", False) or torch.version.hip:
+        return False
+    if os.environ.get("LYCHEE_PDL_TEMPLATES", "1") == "0":
+        return False
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 _OURS_COMPILING: list = []          # non-empty while compile_fx runs Inductor for one of our graphs
@@ -364,7 +380,8 @@ class CodegenKey(CustomGraphPass):
     def uuid(self) -> str:
         from .lower import sparse_tile      # the benchmark knobs that change our code: the kernels' constexprs,
         tile = sparse_tile()
-        return codegen_digest() + (repr(sorted(tile.items())) if tile else "") + combo_knobs()  # and the grouping
+        knobs = combo_knobs() + ("no-pdl-templates" if os.environ.get("LYCHEE_PDL_TEMPLATES", "1") == "0" else "")
+        return codegen_digest() + (repr(sorted(tile.items())) if tile else "") + knobs   # grouping, template PDL
 
 
 @functools.lru_cache(maxsize=1)

@@ -176,7 +176,9 @@ def _lower(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tok
                            nb_hint=nb_hint, policy=int(policy), policy_param=float(policy_param), mass=mass,
                            **sparse_tile(),
                            extra_width=compat.static_int(extra.get_size()[2]) if mass else 0, defer=defer)
-    sp = dict(sp, DOT_UPCAST=interpreting())
+    pdl = compat.pdl_templates(device)       # both launches with programmatic dependent launch (template PDL)
+    sp, cp = dict(sp, DOT_UPCAST=interpreting(), PDL=int(pdl)), dict(cp, PDL=int(pdl))
+    launch = dict(triton_meta={"launch_pdl": True}) if pdl else {}
     NB = compat.CeilDiv(T, int(block_size))
     f32, i32 = torch.float32, torch.int32
     q, k, v, idx_in = (compat.realize(x) for x in (q, k, v, idx_in))
@@ -201,7 +203,7 @@ def _lower(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tok
     choices = []
     err = split_t.maybe_append_choice(choices, input_nodes=split_inputs, layout=acc_layout,
                                       mutated_inputs=[pm, pl, blse, cnt, *mass_in[1:]], call_sizes=[B],
-                                      num_stages=3, num_warps=4, **sp)
+                                      num_stages=3, num_warps=4, **launch, **sp)
     if not choices:
         raise RuntimeError(f"lychee hybrid_decode split template failed: {err}")
     pacc = compat.select_one(split_t.name, choices, split_inputs, acc_layout)
@@ -211,7 +213,7 @@ def _lower(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tok
     choices = []
     err = combine_t.maybe_append_choice(choices, input_nodes=combine_inputs, layout=out_layout,
                                         mutated_inputs=[idx_out, keys, cnt, *mass_out], call_sizes=[B, T],
-                                        num_stages=1, num_warps=combine_num_warps(defer), **cp)
+                                        num_stages=1, num_warps=combine_num_warps(defer), **launch, **cp)
     if not choices:
         raise RuntimeError(f"lychee hybrid_decode combine template failed: {err}")
     out = compat.select_one(combine_t.name, choices, combine_inputs, out_layout)

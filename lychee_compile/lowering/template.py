@@ -67,6 +67,8 @@ GLOSSARY = '''
     #             rows (BENCHMARKS.md, session 15): twice the K/V bytes in flight per index round trip
     # BLSE_SUMS   0: block sums of a tile by reshape, 1: by NBT masked row sums (a tuning variant, same math)
     # SC       partial slots the combine's merge loop reads per iteration (one load round trip each)
+    # PDL      1: launched with programmatic dependent launch (sm_90+, compat.pdl_templates): each program waits
+    #          (griddepcontrol.wait) before its first access, and the split releases its dependents when done
     # NUM_SPLITS  programs of the split launch (fixed grid, from the SM count); a segment's partials use slots
     #             [0, splits touching it) of its NUM_SPLITS-wide row
     # Q     [B, HKV*G, 1, D]  q.dtype        K, V  [B, HKV, T, D]          VALID int8 [B, T]   RETR int8 [HKV]
@@ -178,6 +180,8 @@ SPLIT_BODY = '''
     NBT: tl.constexpr = BLOCK_N // BS
     NBTS: tl.constexpr = SBN // BS
     NTS: tl.constexpr = (NVB * BS + SBN - 1) // SBN
+    if PDL:     # launched early (PDL): nothing above reads memory; below, everything the kernels before wrote is
+        tl.extra.cuda.gdc_wait()
 
     # work pool: tiles per segment from the runtime head kinds, prefix sums over heads, equal cut into slices
     hh, rflag, ntile, cum_incl, R, TV = _lychee_work_pool(RETR, TVP, NTS, HKV, HKV_P, BLOCK_N, SPARSE_COST)
@@ -265,6 +269,8 @@ SPLIT_BODY = '''
         amask = g_ok[:, None] & (offs_d[None, :] < D)
         {{store_output(("xs", "xt", "xg", "xd"), "acc", "amask", indent_width=8, val_shape=("GP", "D"))}}
         g_cur += lt1 - lt0
+    if PDL:     # the combine may launch now: it waits for this whole grid before its first access
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -324,6 +330,8 @@ COMBINE_BODY = '''
     NB = (T + BS - 1) // BS
     NKC = (NB + KC - 1) // KC
     NTS: tl.constexpr = (NVB * BS + SBN - 1) // SBN
+    if PDL:     # launched early (PDL): wait for the split (and every kernel before it) to complete
+        tl.extra.cuda.gdc_wait()
     # the same work pool as the split launch (one helper, so the two can never disagree on who wrote which slot)
     hh, rflag, ntile, cum_incl, R, TV = _lychee_work_pool(RETR, TVP, NTS, HKV, HKV_P, BLOCK_N, SPARSE_COST)
     W = B * R
@@ -824,6 +832,7 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
         S_MAX=(-(-sink_tokens // bs) + 1) if sink_tokens > 0 else 0,
         L_MAX=(-(-local_tokens // bs) + 1) if local_tokens > 0 else 0,
         NUM_SPLITS=num_splits, SPARSE_COST=int(sparse_cost), MASS=int(bool(mass)), KX=int(extra_width),
+        PDL=0,      # the lowering sets 1 where the launch uses PDL (compat.pdl_templates)
     )
     assert mass or not extra_width, "extra blocks come with the mass variant"
     common.update(NVB=common["S_MAX"] + common["L_MAX"] + K_sel + common["KX"])
