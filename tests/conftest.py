@@ -1,6 +1,7 @@
 """Shared pytest setup for lychee_compile tests.
 
 - Puts the repository root on sys.path, so tests import the tiny-model factory as `from tests.models import make`.
+- Without CUDA, TRITON_INTERPRET=1 (unless set), before any test module imports triton.
 - Torch threads: LYCHEE_TEST_THREADS (default 1; on the 2-core CI machine more threads were measured slower).
 - Resets Dynamo before every test, so compile caches and recompile limits never leak between tests.
 - `gpu`-marked tests are skipped when no CUDA device is present.
@@ -18,6 +19,12 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+
+# Without a GPU the Triton kernels run under the interpreter, which must be chosen before triton is imported
+# anywhere: a test module that imports Inductor (it imports triton) must not come first and leave triton's own
+# @jit helpers compiled-mode for the interpreter tests collected after it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(int(os.environ.get("LYCHEE_TEST_THREADS", "1")))
 
