@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from . import blas
 from .passes import Counters, PassContext, run_passes
 from .passes.snapshot import graph_snapshot
 
@@ -34,7 +35,8 @@ def make_backend(model, config, retrieval: torch.Tensor, streaming: torch.Tensor
 
         def rewritten_decode_step(*args):
             counters.decode_calls += 1     # lets generate() prove its decode steps ran the rewrite
-            return compiled(*args)
+            with blas.decode_products(config.decode_blas_workspace):
+                return compiled(*args)
         return rewritten_decode_step
 
     lychee_backend.__name__ = f"lychee_backend_{config.cache_key()}_{head_map_digest}"

@@ -67,6 +67,10 @@ class LycheeConfig:
     # becomes a fused, tuned Triton reduction instead of a cuBLAS call (lowering/compat.py: -0.45 ms of a 7.6 ms step
     # at 128K on the H100). Costs 20-30 s more on the first compile of a 32-layer model (Inductor caches the results).
     tune_kernels: bool = True
+    # False: a rewritten decode step's cuBLAS products run without a workspace (blas.py: no split-K reduce kernel;
+    # o_proj / down_proj at 1-4 rows 2-2.5 us faster each on the H200), unless CUBLAS_WORKSPACE_CONFIG is set.
+    # True keeps cuBLAS's default workspace.
+    decode_blas_workspace: bool = False
 
     def __post_init__(self) -> None:
         for name in ("budget", "block_size", "sink_tokens", "local_tokens"):
@@ -138,14 +142,9 @@ class LycheeConfig:
         if self.attention == "flash_dense" and (self.heat_blocks or self.quest != "off" or self.rectify_every):
             raise LycheeConfigError("attention='flash_dense' is plain dense attention (the speed baseline): heat, "
                                     "Quest and rectification do not apply. Turn them off, or use attention='hybrid'.")
-        if not isinstance(self.cuda_graphs, bool):
-            raise LycheeConfigError(f"LycheeConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}.")
-        if not isinstance(self.defer_selection, bool):
-            raise LycheeConfigError(f"LycheeConfig.defer_selection must be a bool, got {self.defer_selection!r}.")
-        if not isinstance(self.tune_kernels, bool):
-            raise LycheeConfigError(f"LycheeConfig.tune_kernels must be a bool, got {self.tune_kernels!r}.")
-        if not isinstance(self.fuse_linears, bool):
-            raise LycheeConfigError(f"LycheeConfig.fuse_linears must be a bool, got {self.fuse_linears!r}.")
+        for name in ("cuda_graphs", "defer_selection", "tune_kernels", "fuse_linears", "decode_blas_workspace"):
+            if not isinstance(getattr(self, name), bool):
+                raise LycheeConfigError(f"LycheeConfig.{name} must be a bool, got {getattr(self, name)!r}.")
         if self.cuda_graphs and self.backend != "inductor":
             raise LycheeConfigError("cuda_graphs=True needs backend='inductor' (Inductor captures the graphs).")
 

@@ -1029,13 +1029,13 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
                    split_stages=3, combine_warps=None, blse_sums=0, sparse_cost=3, sparse_bn=128, sparse_stages=2,
                    select=None,
                    policy=0, policy_param=0.0, select_tiers=(1024, 8192), extra=None, with_mass=False,
-                   sel_probe=0, defer=False, defer_launch=True, slot_chunk=64):
+                   sel_probe=0, defer=False, defer_launch=True, slot_chunk=64, pdl=0):
     """Bind both kernels to fixed buffers: returns (split(), combine(), out, idx_out, mass or None). Nothing is
     allocated per call, so the pair can be captured in a CUDA graph. extra / with_mass: the mass variant
     (lychee::hybrid_decode_mass). defer: the combine leaves the top-k to lychee_select_rows, which combine() then
     launches right after it on the same stream (the lowering puts it on a side stream); defer_launch=False
     (benchmarks only: the combine's critical path alone) leaves it out, and the selecting heads' index rows
-    unwritten."""
+    unwritten. pdl=1 launches both with programmatic dependent launch (CUDA sm_90+), as the lowering does there."""
     import torch
     B, Hq, _, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
@@ -1066,6 +1066,8 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
     ext = row_extent(valid)
     retr8 = retrieval.to(torch.int8)
     sel8 = retr8 if select is None else select.to(torch.int8)
+    sp, cp = dict(sp, PDL=int(pdl)), dict(cp, PDL=int(pdl))
+    launch = dict(launch_pdl=True) if pdl else {}     # pdl=1: as the lowering launches them on sm_90+
     ks, kargs, _ = render_standalone("split", sp)
     kc, cargs, _ = render_standalone("combine", cp)
     v1 = _arg_values(kargs, dict(Q=q, K=k, V=v, **ext, RETR=retr8, IDX=idx_in, **ws, **mass_ws))
@@ -1075,12 +1077,12 @@ def make_launchers(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_to
     combine_grid = (B * Hkv, G + -(-nb // cp["KC"]))
 
     def split():
-        ks[(num_splits,)](*v1, num_warps=split_warps, num_stages=split_stages)
+        ks[(num_splits,)](*v1, num_warps=split_warps, num_stages=split_stages, **launch)
 
     warps = combine_warps or combine_num_warps(defer)
 
     def combine():
-        kc[combine_grid](*v2, num_warps=warps, num_stages=1)
+        kc[combine_grid](*v2, num_warps=warps, num_stages=1, **launch)
         if defer and defer_launch:
             launch_select(ws["KEYS"], ext["ROWLO"], ext["ROWHI"], ext["TVP"], retr8, sel8, idx_out, cp)
 
