@@ -245,18 +245,27 @@ def test_tuning_skips_pointwise_kernels_of_our_compiles_only(monkeypatch):
     monkeypatch.setitem(compat._INDUCTOR_COORDESC, "method", lambda self, launcher: (handed.append(self), "tuned")[1])
 
     class Kernel:
-        def __init__(self, kind, compile_id):
-            self.heuristic_type, self.compile_id = kind, compile_id
+        def __init__(self, kind, compile_id, outputs=4096):
+            self.heuristic_type, self.compile_id, self.size_hints = kind, compile_id, {"x": outputs, "r0_": 4096}
     cases = {"pointwise, ours": Kernel(HeuristicType.POINTWISE, ours),
              "reduction, ours": Kernel(HeuristicType.REDUCTION, ours),
-             "pointwise, theirs": Kernel(HeuristicType.POINTWISE, theirs)}
+             "norm (4 outputs), ours": Kernel(HeuristicType.REDUCTION, ours, outputs=4),
+             "persistent norm (1 output), ours": Kernel(HeuristicType.PERSISTENT_REDUCTION, ours, outputs=1),
+             "pointwise, theirs": Kernel(HeuristicType.POINTWISE, theirs),
+             "norm (4 outputs), theirs": Kernel(HeuristicType.REDUCTION, theirs, outputs=4)}
     launchers = {name: types.SimpleNamespace(config=types.SimpleNamespace()) for name in cases}
     got = {name: CachingAutotuner.coordinate_descent_tuning(k, launchers[name]) for name, k in cases.items()}
-    assert got == {"pointwise, ours": launchers["pointwise, ours"], "reduction, ours": "tuned",
-                   "pointwise, theirs": "tuned"}
-    assert handed == [cases["reduction, ours"], cases["pointwise, theirs"]]
-    # the skipped launcher's config is marked as Inductor marks a tuned one, so Inductor stops asking at each launch
-    assert [n for n, lc in launchers.items() if getattr(lc.config, "found_by_coordesc", False)] == ["pointwise, ours"]
+    untouched = ["pointwise, ours", "norm (4 outputs), ours", "persistent norm (1 output), ours"]
+    assert got == dict({n: launchers[n] for n in untouched}, **{"reduction, ours": "tuned",
+                       "pointwise, theirs": "tuned", "norm (4 outputs), theirs": "tuned"})
+    assert handed == [cases["reduction, ours"], cases["pointwise, theirs"], cases["norm (4 outputs), theirs"]]
+    # the skipped launchers' configs are marked as Inductor marks a tuned one, so Inductor stops asking at each launch
+    assert [n for n, lc in launchers.items() if getattr(lc.config, "found_by_coordesc", False)] == untouched
+    # products_only=False (LYCHEE_TUNE_SMALL_REDUCTIONS=1): the small reductions of such a compile are tuned
+    third = CompileId(frame_id=9003, frame_compile_id=0)
+    assert compat.tune_reductions_only(third, products_only=False) is True
+    small = Kernel(HeuristicType.REDUCTION, third, outputs=4)
+    assert CachingAutotuner.coordinate_descent_tuning(small, types.SimpleNamespace(config=None)) == "tuned"
 
 
 def test_tuning_times_variants_of_our_cuda_compiles_alone(monkeypatch):
@@ -301,25 +310,30 @@ def test_compile_fx_registers_its_compile_for_reduction_only_tuning(monkeypatch)
     def backend(gm, example_inputs):
         seen.append(CompileContext.current_compile_id())
         return compat.compile_fx(gm, example_inputs, cuda_graphs=False, tune=True)
-    registered, alone = [], []
-    for pointwise, bench in (("0", "gpu"), ("1", "inductor")):
+    registered, small, alone = [], [], []
+    for pointwise, small_red, bench in (("0", "0", "gpu"), ("0", "1", "gpu"), ("1", "0", "inductor")):
         monkeypatch.setenv("LYCHEE_TUNE_POINTWISE", pointwise)
+        monkeypatch.setenv("LYCHEE_TUNE_SMALL_REDUCTIONS", small_red)
         monkeypatch.setenv("LYCHEE_TUNE_BENCH", bench)
         monkeypatch.setattr(compat, "_POINTWISE_UNTUNED", set())   # Dynamo numbers compiles afresh after a reset
+        monkeypatch.setattr(compat, "_SMALL_REDUCTIONS_UNTUNED", set())
         monkeypatch.setattr(compat, "_TIMED_ALONE", set())
         torch._dynamo.reset()
         x = torch.randn(8)
         torch.testing.assert_close(torch.compile(lambda t: t.sin().sum(), backend=backend)(x), x.sin().sum())
         registered.append(set(compat._POINTWISE_UNTUNED))
+        small.append(set(compat._SMALL_REDUCTIONS_UNTUNED))
         alone.append(set(compat._TIMED_ALONE))
-    assert None not in seen and registered == [{seen[0]}, set()] and alone == [{seen[0]}, set()]
+    assert None not in seen and len(set(seen)) == 1
+    assert registered == [set(seen), set(seen), set()] and small == [set(seen), set(), set()]
+    assert alone == [set(seen), set(seen), set()]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_tuning_times_reductions_not_pointwise_gpu():
-    # on the GPU, our compile_fx with tuning on: a pointwise-only function has no kernel variant timed, a
-    # reduction has some, and both are right
+    # on the GPU, our compile_fx with tuning on: a pointwise-only function has no kernel variant timed, nor has a
+    # reduction with 4 outputs (a norm's shape); a reduction with 4096 outputs (a product's) has some; all are right
     from torch._dynamo.utils import counters
     from lychee_compile.lowering import compat
 
@@ -333,6 +347,7 @@ def test_tuning_times_reductions_not_pointwise_gpu():
         return counters["inductor"]["coordesc_tuning_bench"] - before
     x = torch.randn(4096, 1024, device="cuda")
     assert timed_configs(lambda t: t.sin() * 2 + 1, x) == 0
+    assert timed_configs(lambda t: (t.sin() * 2).sum(-1), x.reshape(4, -1)) == 0
     assert timed_configs(lambda t: (t.sin() * 2).sum(-1), x) > 0
 
 

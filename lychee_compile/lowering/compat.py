@@ -87,7 +87,10 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
 
     The tuning is kept to reductions (tune_reductions_only): the pointwise kernels of a decode step are a few
     thousand elements each, launch-bound, and tuning them took 14 of the 39 s the tuning added to a cold compile
-    (34 kernels; Llama-3-8B shapes, H200, session 13). LYCHEE_TUNE_POINTWISE=1 tunes them too (a benchmark knob)."""
+    (34 kernels; Llama-3-8B shapes, H200, session 13). LYCHEE_TUNE_POINTWISE=1 tunes them too (a benchmark knob).
+    So are reductions with fewer than TUNE_MIN_OUTPUTS outputs (norms, the row extents: a few us each, tuned for
+    ~8 of the ~30 s the tuning added to a cold b1 compile, H100, session 17); the decomposed products, thousands
+    of outputs each, are what the tuning is for. LYCHEE_TUNE_SMALL_REDUCTIONS=1 tunes them too (a benchmark knob)."""
     from torch._guards import CompileContext
     from torch._inductor.compile_fx import compile_fx as _compile_fx
     on_cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
@@ -99,7 +102,7 @@ def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
     if patches.get("coordinate_descent_tuning"):
         compile_id = CompileContext.current_compile_id()
         if os.environ.get("LYCHEE_TUNE_POINTWISE", "0") != "1":
-            tune_reductions_only(compile_id)
+            tune_reductions_only(compile_id, products_only=os.environ.get("LYCHEE_TUNE_SMALL_REDUCTIONS", "0") != "1")
         if os.environ.get("LYCHEE_TUNE_BENCH", "gpu") != "inductor":
             time_kernels_alone(compile_id)
     _OURS_COMPILING.append(True)     # codegen runs inside this call: pdl_always_waits acts on our kernels only
@@ -252,14 +255,17 @@ def _writes_back_only(node, inputs: set, output_node) -> bool:
 
 
 _POINTWISE_UNTUNED: set = set()      # Dynamo compile ids (torch._guards.CompileId) of our tuned compiles
+_SMALL_REDUCTIONS_UNTUNED: set = set()   # ... whose reductions of < TUNE_MIN_OUTPUTS outputs stay untuned too
+TUNE_MIN_OUTPUTS = 256      # Inductor's size hint "x" (outputs, a power of two): a norm has 1-4, a product 2048+
 _TIMED_ALONE: set = set()           # compile ids whose tuning times each variant with time_kernel_alone
 _INDUCTOR_COORDESC: dict = {}       # "method": Inductor's own CachingAutotuner.coordinate_descent_tuning, once wrapped
 _INDUCTOR_BENCH: dict = {}          # "method": Inductor's own CachingAutotuner.bench, once wrapped
 
 
-def tune_reductions_only(compile_id) -> bool:
-    """Skip Inductor's coordinate-descent tuning for the POINTWISE kernels of the compile `compile_id` (reductions
-    and everything else keep it). Inductor decides per kernel at its first run (CachingAutotuner
+def tune_reductions_only(compile_id, products_only: bool = True) -> bool:
+    """Skip Inductor's coordinate-descent tuning for the POINTWISE kernels of the compile `compile_id`, and with
+    products_only for its reductions of fewer than TUNE_MIN_OUTPUTS outputs too (the other reductions -- a
+    decomposed product has one output per weight row -- and everything else keep it). Inductor decides per kernel at its first run (CachingAutotuner
     .coordinate_descent_tuning, 2.11 and 2.13; every kernel is stamped with its compile's id by
     set_compile_info), so this wraps that method once, process-wide, and the wrapper acts only on kernels whose
     compile id was registered here: other torch.compile calls in the process keep Inductor's behaviour (Dynamo
@@ -269,6 +275,8 @@ def tune_reductions_only(compile_id) -> bool:
     if compile_id is None:
         return False
     _POINTWISE_UNTUNED.add(compile_id)
+    if products_only:
+        _SMALL_REDUCTIONS_UNTUNED.add(compile_id)
     install_tuning_filter()
     return True
 
@@ -358,7 +366,9 @@ def time_kernel_alone(tuner, launcher, *args, **kwargs) -> float:
 
 def _coordesc_reductions_only(self, launcher, *args, **kwargs):
     from torch._inductor.runtime.hints import HeuristicType
-    if self.heuristic_type == HeuristicType.POINTWISE and self.compile_id in _POINTWISE_UNTUNED:
+    small = (self.heuristic_type != HeuristicType.POINTWISE and self.compile_id in _SMALL_REDUCTIONS_UNTUNED
+             and (getattr(self, "size_hints", None) or {}).get("x", TUNE_MIN_OUTPUTS) < TUNE_MIN_OUTPUTS)
+    if small or (self.heuristic_type == HeuristicType.POINTWISE and self.compile_id in _POINTWISE_UNTUNED):
         # Inductor asks again at every launch until the config says it was tuned (CachingAutotuner.run); marking
         # it, as Inductor marks the configs its own descent picks, keeps launches without CUDA graphs from paying
         # this call each time
