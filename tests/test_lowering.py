@@ -347,7 +347,8 @@ def test_tuning_times_reductions_not_pointwise_gpu():
         return counters["inductor"]["coordesc_tuning_bench"] - before
     x = torch.randn(4096, 1024, device="cuda")
     assert timed_configs(lambda t: t.sin() * 2 + 1, x) == 0
-    assert timed_configs(lambda t: (t.sin() * 2).sum(-1), x.reshape(4, -1)) == 0
+    # 4 rows of 4096 (one kernel: Inductor splits a longer row into a first reduction with many outputs)
+    assert timed_configs(lambda t: (t.sin() * 2).sum(-1), torch.randn(4, 4096, device="cuda")) == 0
     assert timed_configs(lambda t: (t.sin() * 2).sum(-1), x) > 0
 
 
