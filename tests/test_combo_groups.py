@@ -206,16 +206,17 @@ def test_decode_step_ends_run_as_one_combo_kernel_each_gpu(monkeypatch):
 
 
 def test_the_grouping_knobs_are_part_of_the_fx_cache_key(monkeypatch):
-    # LYCHEE_COMBO_HEAD / _TAIL=0 change the generated code after the FX graph cache's key is taken: CodegenKey
-    # covers them
-    for key in ("LYCHEE_COMBO_HEAD", "LYCHEE_COMBO_TAIL"):
+    # LYCHEE_COMBO_HEAD / _TAIL=0 and LYCHEE_PDL_TEMPLATES=0 change the generated code after the FX graph cache's
+    # key is taken: CodegenKey covers them (compat.codegen_knobs, the one reading of them)
+    knobs = ("LYCHEE_COMBO_HEAD", "LYCHEE_COMBO_TAIL", "LYCHEE_PDL_TEMPLATES")
+    for key in knobs:
         monkeypatch.delenv(key, raising=False)
     on = compat.CODEGEN_KEY.uuid()
     keys = {on}
-    for key in ("LYCHEE_COMBO_HEAD", "LYCHEE_COMBO_TAIL"):
+    for key in knobs:
         monkeypatch.setenv(key, "0")
         keys.add(compat.CODEGEN_KEY.uuid())
-    assert len(keys) == 3
-    for key in ("LYCHEE_COMBO_HEAD", "LYCHEE_COMBO_TAIL"):
+    assert len(keys) == 4 and "no-pdl-templates" in compat.codegen_knobs()
+    for key in knobs:
         monkeypatch.setenv(key, "1")
-    assert compat.CODEGEN_KEY.uuid() == on
+    assert compat.CODEGEN_KEY.uuid() == on and compat.codegen_knobs() == ""

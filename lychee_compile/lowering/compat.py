@@ -42,7 +42,7 @@ __all__ = ["CHECKED_VERSIONS", "TORCH_VERSION", "inductor_config", "ir", "empty_
            "size_hint", "static_int", "compile_fx", "tune_reductions_only", "time_kernels_alone",
            "time_kernel_alone", "install_tuning_filter", "pdl_always_waits", "realize",
            "to_dtype", "fixed_layout", "triton_device_ok", "sm_count", "graph_memo", "combo_step_ends",
-           "combo_knobs", "tail_writes", "input_reads", "pdl_templates"]
+           "combo_knobs", "codegen_knobs", "tail_writes", "input_reads", "pdl_templates"]
 
 
 def compile_fx(gm, example_inputs, cuda_graphs: bool, tune: bool = True):
@@ -122,7 +122,7 @@ def pdl_templates(device) -> bool:
     template waits before it completes). What it buys: each launch's latency overlaps the kernel before it."""
     if not getattr(inductor_config.triton, "enable_pdl", False) or torch.version.hip:
         return False
-    if os.environ.get("LYCHEE_PDL_TEMPLATES", "1") == "0":
+    if "no-pdl-templates" in codegen_knobs():
         return False
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -177,6 +177,12 @@ def combo_step_ends() -> None:
 def combo_knobs(env=os.environ) -> str:
     """The step-end groups turned off by benchmark knobs, as text for CodegenKey ("" by default)."""
     return "".join(f"no-{k}" for k in ("head", "tail") if env.get(f"LYCHEE_COMBO_{k.upper()}", "1") == "0")
+
+
+def codegen_knobs(env=os.environ) -> str:
+    """Every benchmark knob read at compile time that changes our generated code, as text ("" by default): the
+    combo groups (combo_knobs) and LYCHEE_PDL_TEMPLATES=0. The one reading of them; CodegenKey keys on it."""
+    return combo_knobs(env) + ("no-pdl-templates" if env.get("LYCHEE_PDL_TEMPLATES", "1") == "0" else "")
 
 
 def _our_combo_groups(scheduler):
@@ -390,8 +396,7 @@ class CodegenKey(CustomGraphPass):
     def uuid(self) -> str:
         from .lower import sparse_tile      # the benchmark knobs that change our code: the kernels' constexprs,
         tile = sparse_tile()
-        knobs = combo_knobs() + ("no-pdl-templates" if os.environ.get("LYCHEE_PDL_TEMPLATES", "1") == "0" else "")
-        return codegen_digest() + (repr(sorted(tile.items())) if tile else "") + knobs   # grouping, template PDL
+        return codegen_digest() + (repr(sorted(tile.items())) if tile else "") + codegen_knobs()  # grouping, PDL
 
 
 @functools.lru_cache(maxsize=1)
