@@ -271,7 +271,8 @@ _INDUCTOR_BENCH: dict = {}          # "method": Inductor's own CachingAutotuner.
 def tune_reductions_only(compile_id, products_only: bool = True) -> bool:
     """Skip Inductor's coordinate-descent tuning for the POINTWISE kernels of the compile `compile_id`, and with
     products_only for its reductions of fewer than TUNE_MIN_OUTPUTS outputs too (the other reductions -- a
-    decomposed product has one output per weight row -- and everything else keep it). Inductor decides per kernel at its first run (CachingAutotuner
+    decomposed product has one output per weight row -- and everything else keep it). Inductor decides per kernel
+    at its first run (CachingAutotuner
     .coordinate_descent_tuning, 2.11 and 2.13; every kernel is stamped with its compile's id by
     set_compile_info), so this wraps that method once, process-wide, and the wrapper acts only on kernels whose
     compile id was registered here: other torch.compile calls in the process keep Inductor's behaviour (Dynamo
