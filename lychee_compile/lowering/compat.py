@@ -119,7 +119,10 @@ def pdl_templates(device) -> bool:
     template PDL (TritonKernel._enable_pdl_codegen); ours make it safe themselves: each program waits
     (griddepcontrol.wait) before its first memory access, so it never overlaps what came before, and the split
     releases the combine only once its own work is done; the chain argument of compile_fx holds unchanged (a
-    template waits before it completes). What it buys: each launch's latency overlaps the kernel before it."""
+    template waits before it completes). What it buys: each launch's latency overlaps the kernel before it.
+    The combine does not release its dependents early: a kernel after it checks its early loads against the
+    template's write set, which holds only the template's output, not the inputs it mutates (IDXO, KEYS, CNT,
+    MASSO; TemplateBuffer.extract_read_writes, 2.11 and 2.13), so it could read those before they are written."""
     if not getattr(inductor_config.triton, "enable_pdl", False) or torch.version.hip:
         return False
     if "no-pdl-templates" in codegen_knobs():
