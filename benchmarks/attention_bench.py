@@ -299,8 +299,13 @@ def main():
                     '{"name": {make_launchers keyword: value}}, e.g. \'{"cw8": {"combine_warps": 8}}\'; "extra_width": N times the mass variant with N extra blocks per sparse head')
     ap.add_argument("--rows", default=None, help="only these rows: T:B:n_retr:budget[:cap],... (cap = cache length "
                     "the T valid tokens sit in, default T)")
+    ap.add_argument("--plot", default=None, metavar="JSON", help="only redraw the plot of a results JSON (no GPU)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), os.path.join(args.out, os.path.basename(args.plot).rsplit(".", 1)[0] + ".png"))
+        return
     t_start = time.time()
     prop = torch.cuda.get_device_properties(0)
     import triton
@@ -415,14 +420,19 @@ def plot(results, path):
     rows = [r for r in results["rows"] if r["budget"] == 4096]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), sharey=False)
     for ax, B in zip(axes, [1, 2, 4]):
-        for nr, style in [(1, "-"), (2, "--"), (4, ":")]:
+        for nr, color in [(1, "C0"), (2, "C1"), (4, "C2")]:
             rs = sorted([r for r in rows if r["B"] == B and r["n_retr"] == nr], key=lambda r: r["T"])
             if rs:
-                ax.plot([r["T"] for r in rs], [r["ours_ms"] for r in rs], "o" + style, label=f"ours {nr}/8 retr")
+                ax.plot([r["T"] for r in rs], [r["ours_ms"] for r in rs], "o-", color=color,
+                        label=f"ours {nr}/8 retr (all work)")
+            if rs and all(r.get("dp_ms") for r in rs):   # --variants dp: what the compiled model runs
+                ax.plot([r["T"] for r in rs], [r["dp_ms"] for r in rs], "^--", color=color,
+                        label=f"ours {nr}/8 retr (critical path)")
         rs = sorted({r["T"]: r for r in rows if r["B"] == B}.values(), key=lambda r: r["T"])
-        for key, lab in [("cudnn_ms", "cuDNN dense"), ("flash_ms", "flash dense"), ("floor_dense_ms", "dense floor")]:
+        for key, lab, fmt, color in [("cudnn_ms", "cuDNN dense", "s-", "k"), ("flash_ms", "flash dense", "s-", "0.55"),
+                                     ("floor_dense_ms", "dense floor", "s:", "0.3")]:
             if rs and all(r.get(key) for r in rs):
-                ax.plot([r["T"] for r in rs], [r[key] for r in rs], "s-", label=lab, alpha=0.6)
+                ax.plot([r["T"] for r in rs], [r[key] for r in rs], fmt, color=color, label=lab, alpha=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"batch {B}, budget 4096")
