@@ -11,6 +11,10 @@ import argparse
 import json
 
 
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
 def table(results: dict, variant: str = "dp") -> str:
     head = ("| T | B | retr | budget | floor ms | critical path ms | % floor | x cuDNN | all work ms | x cuDNN "
             "| cuDNN ms | flash ms | gather ms |")
@@ -18,14 +22,12 @@ def table(results: dict, variant: str = "dp") -> str:
     for r in results["rows"]:
         cp = r.get(f"{variant}_ms")
         cu = r.get("cudnn_ms")
-
-        def f(x, nd=4):
-            return "-" if x is None else f"{x:.{nd}f}"
         lines.append("| " + " | ".join([
-            str(r["T"]), str(r["B"]), f"{r['n_retr']}/8", str(r["budget"]), f(r["floor_ours_ms"]), f(cp),
+            str(r["T"]), str(r["B"]), f"{r['n_retr']}/8", str(r["budget"]), _ms(r["floor_ours_ms"]), _ms(cp),
             "-" if cp is None else f"{100 * r['floor_ours_ms'] / cp:.0f}%",
-            "-" if cp is None or cu is None else f"{cu / cp:.2f}", f(r["ours_ms"]),
-            "-" if cu is None else f"{cu / r['ours_ms']:.2f}", f(cu), f(r.get("flash_ms")), f(r.get("gather_ms"))]) + " |")
+            "-" if cp is None or cu is None else f"{cu / cp:.2f}", _ms(r["ours_ms"]),
+            "-" if cu is None else f"{cu / r['ours_ms']:.2f}", _ms(cu), _ms(r.get("flash_ms")),
+            _ms(r.get("gather_ms"))]) + " |")
     return "\n".join(lines)
 
 
