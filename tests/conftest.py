@@ -5,7 +5,8 @@
 - Torch threads: LYCHEE_TEST_THREADS (default 1; on the 2-core CI machine more threads were measured slower).
 - Resets Dynamo before every test, so compile caches and recompile limits never leak between tests.
 - `gpu`-marked tests are skipped when no CUDA device is present.
-- The run's header names the stack (torch / transformers / triton versions).
+- The run's header names the stack (torch / transformers / triton versions); its end (tests/ci_report.py) prints
+  per-file durations, the selected test-id count and the fuzz case counts.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+pytest_plugins = ["tests.ci_report"]   # per-file durations, test-id counts, fuzz counts at the end of a run
+
 torch.set_num_threads(int(os.environ.get("LYCHEE_TEST_THREADS", "1")))
 
 
@@ -41,12 +44,6 @@ def pytest_report_header(config):
     where = os.path.dirname(spec.origin) if spec and spec.origin else "not importable"
     return (f"lychee_compile from {where}; stack: torch {torch.__version__}, transformers {transformers.__version__}, triton {triton_version}, "
             f"cuda available: {torch.cuda.is_available()}, torch threads: {torch.get_num_threads()}")
-
-
-def pytest_terminal_summary(terminalreporter):
-    from tests.fuzz_counts import COUNTS
-    for name, n in sorted(COUNTS.items()):
-        terminalreporter.write_line(f"fuzz cases checked: {name}: {n} (0 mismatches: any mismatch fails its test)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,6 +10,8 @@ from tests.harness import import_benchmarks
 from tests.models import make
 from tests.test_eval_harness import _given
 
+pytestmark = pytest.mark.single_stack   # no torch / transformers / triton version changes it: stack A only in CI
+
 
 @pytest.fixture(scope="module")
 def bench():
