@@ -20,6 +20,8 @@ from .config import LycheeConfig, LycheeConfigError
 from .dynamic_cache import fresh_call, install_dynamic_cache
 from .head_map import HeadMap, HeadMapError
 from .linear_groups import fuse_weights
+from .generation_modes import unsupported_mode
+from .masks import check_padding_mask
 from .rectify import install_rectification
 from .state_buffers import install_state, write_kinds
 from .passes import Counters, LycheeCompileError, PassContext, run_passes
@@ -178,10 +180,18 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 def _guard_generate(model, counters, strict: bool) -> None:
     """Wrap the instance's generate() so a call whose decode steps bypassed the rewrite (a dynamic cache, compile
-    disabled, a generation mode HF does not compile) never passes silently as lychee output."""
+    disabled, a generation mode HF does not compile) never passes silently as lychee output; a padding mask the
+    rewritten step cannot read (masks.py) and, in strict mode, a generation mode that would not run it
+    (generation_modes.py) are refused before any work."""
     inner = model.generate
 
     def generate(*args, **kwargs):
+        check_padding_mask(kwargs.get("attention_mask"))
+        refused = unsupported_mode(model, kwargs)
+        if refused is not None:
+            if strict:
+                raise LycheeCompileError(refused)
+            log.warning("lychee_compile: %s", refused)
         before = counters.decode_calls
         out = inner(*args, **kwargs)
         sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
@@ -211,3 +221,22 @@ def _install(model, backend) -> None:
     compile_config._compile_all_devices = True
     model.generation_config.cache_implementation = "static"
     model.generation_config.compile_config = compile_config
+    _own_compiled_call(model)
+
+
+def _own_compiled_call(model) -> None:
+    """generate() compiles its decode step through model.get_compiled_call(compile_config). transformers' own
+    compiles `self.__call__`: the same code object (nn.Module's call) for every model in the process, so to Dynamo a
+    second model is a new call of the first one's frame, and its automatic dynamic shapes makes every constant that
+    differs (the attention scale, head counts) a symbolic value -- which no pass can rewrite. Ours compiles a call of
+    this model's own (fresh_call), rebuilt when the compile config changes, as transformers' is."""
+    call = fresh_call(model, "lychee_decode_step")
+    made: dict = {}
+
+    def get_compiled_call(compile_config):
+        compile_config = compile_config or model.generation_config.compile_config
+        if "call" not in made or made["config"] != compile_config:
+            made.update(config=compile_config, call=torch.compile(call, **compile_config.to_dict()))
+        return made["call"]
+
+    model.get_compiled_call = get_compiled_call

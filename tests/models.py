@@ -17,6 +17,8 @@ Arch keys and what each one exercises:
                      sliding_window=8, query_pre_attn_scalar != head_dim (scaling is not 1/sqrt(d)), MQA
     phi3             fused qkv_proj, MHA
     gpt_neox         MHA, fused query_key_value, partial rotary (rotary_pct 0.25), parallel residual
+    granite          attention_multiplier 0.1 as the attention scale, GQA 2
+    olmo2            head_dim 8 (8 q / 4 kv heads), q/k RMSNorm over the whole projection
 """
 from __future__ import annotations
 
@@ -119,6 +121,23 @@ def make_gpt_neox(attn_impl: str = "sdpa", seed: int = 0):
     return _finish(GPTNeoXForCausalLM, cfg, attn_impl, seed)
 
 
+def make_granite(attn_impl: str = "sdpa", seed: int = 0):
+    from transformers import GraniteConfig, GraniteForCausalLM
+    # attention_multiplier replaces 1/sqrt(head_dim) as the attention scale (and the embedding, residual and logit
+    # multipliers are Granite's own)
+    cfg = GraniteConfig(**_COMMON, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                        attention_multiplier=0.1, embedding_multiplier=2.0, residual_multiplier=0.5,
+                        logits_scaling=2.0)
+    return _finish(GraniteForCausalLM, cfg, attn_impl, seed)
+
+
+def make_olmo2(attn_impl: str = "sdpa", seed: int = 0):
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+    # hidden 64 / 8 heads = head_dim 8 (scale 8**-0.5); q/k RMSNorm over the whole projection, post-norms
+    cfg = Olmo2Config(**_COMMON, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4)
+    return _finish(Olmo2ForCausalLM, cfg, attn_impl, seed)
+
+
 ARCHS = {
     "llama": make_llama,
     "qwen2_gqa7": make_qwen2_gqa7,
@@ -128,6 +147,8 @@ ARCHS = {
     "gemma3": make_gemma3,
     "phi3": make_phi3,
     "gpt_neox": make_gpt_neox,
+    "granite": make_granite,
+    "olmo2": make_olmo2,
 }
 
 

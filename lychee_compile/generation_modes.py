@@ -1,0 +1,33 @@
+"""Which generate() modes run the rewritten decode step, decided before any work.
+
+generate() runs the compiled decode step (the rewrite) for greedy search and sampling, with any logits processors,
+stopping criteria or num_return_sequences: their loop calls model.get_compiled_call() for every step after the
+prefill. The other modes do not: beam search calls the model directly and reorders the cache by replacing its
+tensors; assisted generation and prompt lookup verify several tokens a step; contrastive search, DoLa, group and
+constrained beam search are loaded from the hub (offline: not at all); chunked prefill (prefill_chunk_size) makes
+a step of several tokens. Their tokens would come from dense attention, so lychee_compile names the mode and refuses
+it before the prefill (strict mode), or logs it and lets generate() count the dense call (generate_calls_dense).
+"""
+from __future__ import annotations
+
+import copy
+
+SUPPORTED = ("greedy_search", "sample")
+
+
+def unsupported_mode(model, kwargs) -> str | None:
+    """What generate(**kwargs) would run instead of the rewritten decode step, as a sentence; None when it runs it."""
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
+    if getattr(config, "prefill_chunk_size", None):
+        return (f"chunked prefill (prefill_chunk_size={config.prefill_chunk_size}) is not supported: it feeds the "
+                "compiled step several tokens at a time. Leave prefill_chunk_size unset.")
+    if kwargs.get("custom_generate") is not None:
+        return "a custom_generate loop does not call the compiled decode step."
+    mode = config.get_generation_mode(kwargs.get("assistant_model"))
+    mode = getattr(mode, "value", mode)    # an enum of strings
+    if mode in SUPPORTED:
+        return None
+    return (f"generate() mode '{mode}' does not run the rewritten decode step (its tokens would come from dense "
+            f"attention); lychee_compile supports {' and '.join(SUPPORTED)} (do_sample=False / True, num_beams=1, "
+            "no assistant model, penalty_alpha or dola_layers).")
