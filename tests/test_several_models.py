@@ -40,3 +40,21 @@ def test_models_of_different_scales_in_one_process(backend):
         assert counters.sites_refused == 0, arch
         assert max_logit_diff(logits, dense) < EXACT_TOL, arch
     assert len(set(scales.values())) >= 4, scales
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_models_of_different_scales_in_one_process_gpu():
+    """The same on the GPU as users run it: bf16, Inductor with our Triton kernels, CUDA graphs."""
+    from torch._dynamo.utils import counters as dynamo_counters
+    ids, mask = (x.cuda() for x in make_batch(lengths=(90, 71)))
+    for arch in ["llama", "gemma3", "granite", "qwen3", "gpt_neox"]:
+        model = make(arch, "sdpa").to("cuda", torch.bfloat16)
+        lychee_compile(model, HeadMap.for_model(model), LycheeConfig(budget=32, block_size=16, sink_tokens=16,
+                                                                     local_tokens=16, cuda_graphs=True))
+        seq, logits = generate_logits(model, ids, mask, 8)
+        ref_seq, ref_logits = generate_logits(make(arch, "sdpa").to("cuda", torch.bfloat16), ids, mask, 8)
+        assert state_of(model).counters.decode_calls == 7, arch
+        assert (logits.float() - ref_logits.float()).abs().max() < 5e-2, arch
+        assert torch.equal(seq, ref_seq), arch
+    assert dynamo_counters["inductor"]["cudagraph_skips"] == 0, "Inductor skipped CUDA graphs (see its log for why)"
