@@ -16,15 +16,16 @@ import os
 import torch
 
 from .backend import make_backend
-from .config import LycheeConfig, LycheeConfigError
+from .config import LycheeConfig
+from .errors import HeadMapError, LycheeCompileError, LycheeConfigError
 from .dynamic_cache import fresh_call, install_dynamic_cache
-from .head_map import HeadMap, HeadMapError
+from .head_map import HeadMap
 from .linear_groups import fuse_weights
 from .generation_modes import unsupported_mode
 from .masks import check_padding_mask
 from .rectify import install_rectification
 from .state_buffers import install_state, write_kinds
-from .passes import Counters, LycheeCompileError, PassContext, run_passes
+from .passes import Counters, PassContext, run_passes
 from .passes.fuse_linears import sibling_groups
 
 _STATE_ATTR = "_lychee_state"

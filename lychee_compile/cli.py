@@ -41,7 +41,8 @@ def demo(args) -> int:
 
     from .config import LycheeConfig
     from .eval.passkey import build_passkey_prompt, run_passkey
-    from .real_model import RealModelUnavailable, load_smollm2
+    from .errors import RealModelUnavailable
+    from .real_model import load_smollm2
 
     torch.set_num_threads(args.threads)
     print(f"lychee demo: torch {torch.__version__}, {args.threads} CPU thread(s)", flush=True)

@@ -10,9 +10,7 @@ import hashlib
 import json
 import math
 
-
-class LycheeConfigError(ValueError):
-    """A LycheeConfig value makes no sense; the message says which and what to use instead."""
+from .errors import LycheeConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ import types
 import torch
 
 from .cache_kwarg import cache_of
-from .config import LycheeConfigError
+from .errors import LycheeConfigError
 
 
 def _is_dynamic_decode(args, kwargs) -> bool:

@@ -17,13 +17,7 @@ import warnings
 
 import torch
 
-
-class HeadMapError(ValueError):
-    """A head map that cannot be used with this model; the message says what is wrong and how to fix it."""
-
-
-class HeadMapWarning(UserWarning):
-    pass
+from .errors import HeadMapError, HeadMapWarning
 
 
 # Config fields that identify a model's attention geometry and weights family. A map made for another model with

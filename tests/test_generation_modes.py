@@ -9,7 +9,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from lychee_compile import HeadMap, LycheeConfig, lychee_compile
 from lychee_compile.api import state_of
-from lychee_compile.passes.context import LycheeCompileError
+from lychee_compile import LycheeCompileError
 from tests.harness import EXACT_TOL, max_logit_diff
 from tests.models import make, make_batch
 

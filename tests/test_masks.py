@@ -8,7 +8,7 @@ import torch
 from lychee_compile import HeadMap, LycheeConfig, lychee_compile
 from lychee_compile.api import state_of
 from lychee_compile.masks import check_padding_mask
-from lychee_compile.passes.context import LycheeCompileError
+from lychee_compile import LycheeCompileError
 from tests.harness import generate_logits
 from tests.models import make, make_batch
 from tests.test_sparse_semantics import mixed_map

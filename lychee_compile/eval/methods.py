@@ -38,6 +38,7 @@ import torch
 
 from ..config import LycheeConfig
 from ..head_map import HeadMap, model_geometry
+from ..errors import MethodError
 
 POLICY_METHODS = {"lychee-topp": "topp", "lychee-threshold": "threshold", "lychee-ratio": "ratio"}
 # Defaults of --policy-param: p = 0.9 (LycheeDecode's top-p setting range), tau = 0.005 (a block holding 0.5% of the
@@ -50,10 +51,6 @@ if "quest" not in {f.name for f in __import__("dataclasses").fields(LycheeConfig
     UNAVAILABLE["quest"] = "this LycheeConfig has no Quest bounds (LycheeConfig.quest)"
 LEARNED_MAP = "smollm2-135m.safetensors"        # lychee_compile/data/, shipped by the head-map work (issue 5)
 PLACEHOLDER_LAYERS = (0, 1, 15)                 # the demo's placeholder (cli.PLACEHOLDER_LAYERS)
-
-
-class MethodError(ValueError):
-    pass
 
 
 @dataclasses.dataclass(frozen=True)

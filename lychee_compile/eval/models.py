@@ -51,7 +51,7 @@ def other_models_dir() -> Path:
 
 def resolve(name: str) -> tuple[EvalModel, Path | None]:
     """(entry, GGUF path) of `name`: a key of EVAL_MODELS, or the path of a .gguf file (no checksum known)."""
-    from ..real_model import RealModelUnavailable
+    from ..errors import RealModelUnavailable
     if name in EVAL_MODELS:
         entry = EVAL_MODELS[name]
         if entry.file is None:
@@ -68,7 +68,8 @@ def resolve(name: str) -> tuple[EvalModel, Path | None]:
 def load_eval_model(name: str = "smollm2", progress: bool = True, sha256: str | None = None,
                     attn_implementation: str = "sdpa"):
     """(model, tokenizer, EvalModel) for `lychee eval --model name`. `sha256` checks a GGUF given by path."""
-    from ..real_model import RealModelUnavailable, load_gguf_model, load_smollm2
+    from ..errors import RealModelUnavailable
+    from ..real_model import load_gguf_model, load_smollm2
     entry, path = resolve(name)
     if path is None:
         model, tok = load_smollm2(progress=progress, attn_implementation=attn_implementation)

@@ -20,14 +20,7 @@ import torch
 from ..ops.sparsity import collect_sparsity
 from ..state_buffers import HEAT_ATTR
 from .methods import MethodSpec
-
-
-class DenseFallback(RuntimeError):
-    """A variant that should run the sparse path did not (no rewritten graph, or a graph left dense)."""
-
-
-class SparsityNotMeasured(RuntimeError):
-    """The sparsity collector did not see exactly one op call per decode step and global layer."""
+from ..errors import DenseFallback, SparsityNotMeasured
 
 
 def configure_dynamo(recompile_limit: int = 256) -> None:

@@ -9,11 +9,9 @@ import logging
 
 import torch.fx
 
+from ..errors import LycheeCompileError
+
 log = logging.getLogger("lychee_compile")
-
-
-class LycheeCompileError(RuntimeError):
-    """The model cannot be rewritten as asked; the message names the problem and what to do."""
 
 
 @dataclasses.dataclass

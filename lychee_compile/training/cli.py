@@ -71,7 +71,8 @@ def run(args) -> int:
     import torch
 
     from ..head_map import HeadMap
-    from ..real_model import RealModelUnavailable, cache_root
+    from ..errors import RealModelUnavailable
+    from ..real_model import cache_root
     from .data import build_dataset, describe
     from .trainer import Trainer, TrainConfig, map_from_scores
 

@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-from ..head_map import HeadMap, HeadMapError
+from ..errors import HeadMapError
+from ..head_map import HeadMap
 
 
 def read_duo_tsv(path: str) -> torch.Tensor:

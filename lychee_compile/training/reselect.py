@@ -16,7 +16,8 @@ import sys
 
 import torch
 
-from ..head_map import HeadMap, HeadMapError
+from ..errors import HeadMapError
+from ..head_map import HeadMap
 from .trainer import map_from_scores
 
 
