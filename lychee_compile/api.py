@@ -10,6 +10,7 @@ Order of work, so that bad input never leaves a half-changed model:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -54,6 +55,9 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     if not isinstance(head_map, HeadMap):
         raise HeadMapError(f"head_map must be a HeadMap or a path to one, got {type(head_map).__name__}.")
     head_map.validate_for(model, config.strict)
+    config, graphs = config.resolved_for(model.device)
+    # a CUDA model decoding without CUDA graphs is the slow path: say so where it was not asked for
+    (log.warning if model.device.type == "cuda" and not config.cuda_graphs else log.info)("lychee_compile: %s", graphs)
 
     global_layers, linear_groups = probe_global_layers(model, config)
     if config.rectify_every and len(global_layers) != model.config.num_hidden_layers:
@@ -69,8 +73,12 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     if config.rectify_every:
         install_rectification(model, config.rectify_every)
     before_decode = install_state(model, config, retrieval[global_layers], global_layers)
-    # last: its compiled call must include the forward wrappers
-    install_dynamic_cache(model, backend, config, before_decode)
+    # last: its compiled call must include the forward wrappers. A DynamicCache grows every step: its decode steps
+    # compile without CUDA graphs (a graph would be recorded for every length)
+    dynamic_backend = backend if not config.cuda_graphs else make_backend(
+        model, dataclasses.replace(config, cuda_graphs=False), retrieval, head_map.streaming, counters,
+        head_map.digest(), snapshots)
+    install_dynamic_cache(model, dynamic_backend, config, before_decode)
     _guard_generate(model, counters, config.strict)
     setattr(model, _STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend,
                                             snapshots))

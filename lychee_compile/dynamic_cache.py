@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import types
 
 import torch
 
 from .cache_kwarg import cache_of
 from .errors import LycheeConfigError
+
+log = logging.getLogger("lychee_compile")
 
 
 def _is_dynamic_decode(args, kwargs) -> bool:
@@ -47,6 +50,7 @@ def install_dynamic_cache(model, backend, config, before_decode=None) -> None:
 
 def _route_decode_steps(model, backend, config, before_decode) -> None:
     inner = model.forward
+    logged: list = []
     compiled = torch.compile(fresh_call(inner, "lychee_dynamic_decode"), backend=backend, fullgraph=True,
                              dynamic=True)
 
@@ -60,6 +64,10 @@ def _route_decode_steps(model, backend, config, before_decode) -> None:
                 "rectify_every needs the static cache lychee_compile installs: rectification rewinds its write "
                 "offsets. Drop the DynamicCache (past_key_values / cache_implementation='dynamic') or use "
                 "rectify_every=0.")
+        if config.cuda_graphs and not logged:
+            logged.append(True)
+            log.info("lychee_compile: decode steps on a DynamicCache run without CUDA graphs (its length changes "
+                     "every step); the static cache lychee_compile sets runs with them")
         if before_decode is not None:
             before_decode(kwargs)
         # dynamic=True would also turn float attributes (attention scaling, norm eps) into graph inputs; the passes

@@ -2,6 +2,7 @@
 equal the same compiled model without graphs; set_head_map() reaches the replayed graph with no re-capture."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -120,3 +121,48 @@ def test_waits_before_release_reads_kernel_bodies():
     round_robin = combo.replace("if pid < n0", "if pid % 2 == 0").replace("elif pid < n1", "elif pid % 2 == 1")
     assert waits_before_release(round_robin.format(a=w, b=w))
     assert not waits_before_release(round_robin.format(a="pass", b=w))
+
+
+def test_cuda_graphs_default_is_decided_per_model_and_logged(caplog):
+    # LycheeConfig(cuda_graphs=None), the default: on only for a CUDA model with the Inductor backend and no
+    # rectification; off elsewhere, and the log says why (a warning where a CUDA model decodes without them)
+    config = LycheeConfig(**CFG)
+    assert config.cuda_graphs is None
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert config.resolved_for(cuda)[0].cuda_graphs is True
+    assert config.resolved_for(cpu) == (dataclasses.replace(config, cuda_graphs=False),
+                                        "CUDA graphs off: the model is not on a CUDA device")
+    assert "backend='eager'" in LycheeConfig(backend="eager", **CFG).resolved_for(cuda)[1]
+    assert "rectify_every" in LycheeConfig(rectify_every=4, **CFG).resolved_for(cuda)[1]
+    assert LycheeConfig(cuda_graphs=False, **CFG).resolved_for(cuda)[0].cuda_graphs is False
+    with pytest.raises(LycheeConfigError, match="must be a bool"):
+        LycheeConfig(cuda_graphs="yes")
+    model = make("llama", "sdpa")
+    with caplog.at_level("INFO", logger="lychee_compile"):
+        lychee_compile(model, HeadMap.for_model(model), LycheeConfig(backend="eager", **CFG))
+    assert state_of(model).config.cuda_graphs is False
+    assert "CUDA graphs off: the model is not on a CUDA device" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_default_config_runs_cuda_graphs_on_cuda_and_none_on_a_dynamic_cache_gpu(caplog):
+    from torch._dynamo.utils import counters
+    ids, mask = (x.cuda() for x in make_batch(lengths=(90, 71)))
+    probe = make("llama", "sdpa")
+    mixed = HeadMap(mixed_map(probe)).with_model_metadata(probe)
+    tuned = make("llama", "sdpa").to("cuda", torch.bfloat16)
+    lychee_compile(tuned, mixed, LycheeConfig(cuda_graphs=True, **CFG))
+    model = make("llama", "sdpa").to("cuda", torch.bfloat16)
+    with caplog.at_level("INFO", logger="lychee_compile"):
+        lychee_compile(model, mixed, LycheeConfig(**CFG))
+        seq, logits = generate_logits(model, ids, mask, 12)
+        before = state_of(model).counters.decode_calls
+        _, dyn_logits = generate_logits(model, ids, mask, 12, cache="dynamic")
+    assert state_of(model).config.cuda_graphs is True and "CUDA graphs on (default" in caplog.text
+    assert "DynamicCache run without CUDA graphs" in caplog.text
+    assert state_of(model).counters.decode_calls == before + 11 and torch.isfinite(dyn_logits).all()
+    assert counters["inductor"]["cudagraph_skips"] == 0, "Inductor skipped CUDA graphs (see its log for why)"
+    tuned_seq, tuned_logits = generate_logits(tuned, ids, mask, 12)
+    assert torch.equal(seq, tuned_seq)
+    assert (logits.float() - tuned_logits.float()).abs().max() < 5e-2

@@ -159,7 +159,9 @@ def method_spec(name: str, model, budget: int, head_map: HeadMap | None = None, 
         return MethodSpec("dense", None, None, "dense attention, uncompiled model", None)
     if head_map is None and name in ("lychee", "duo", "random", *POLICY_METHODS):
         head_map, _ = default_head_map(model)
-    base = dict(budget=budget, block_size=block_size, sink_tokens=sink_tokens, backend=backend)
+    # No CUDA graphs: the harness scores every prompt on a fresh copy of its prefilled cache (scoring.score_steps),
+    # and a graph recorded for one cache's addresses would be recorded again for each copy.
+    base = dict(budget=budget, block_size=block_size, sink_tokens=sink_tokens, backend=backend, cuda_graphs=False)
     n_layers, n_kv = model_geometry(model.config)
     if name == "lychee":
         cfg = LycheeConfig(local_tokens=local_tokens, **base)
