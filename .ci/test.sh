@@ -28,9 +28,13 @@ print(f"test.sh: torch {torch.__version__}, transformers {transformers.__version
 PYEOF
 PARALLEL=()
 if [[ "${LYCHEE_TEST_WORKERS:-0}" -ge 2 ]]; then
-  PARALLEL=(-n "$LYCHEE_TEST_WORKERS" --dist loadfile --no-loadscope-reorder)
+  if "$PY" -c "import xdist" 2>/dev/null; then
+    PARALLEL=(-n "$LYCHEE_TEST_WORKERS" --dist loadfile --no-loadscope-reorder)
+  else
+    echo "test.sh: LYCHEE_TEST_WORKERS=$LYCHEE_TEST_WORKERS but pytest-xdist is not in this venv (pip install pytest-xdist): one process" >&2
+  fi
 fi
-echo "test.sh: $PY -m pytest -q -m \"$MARKERS\" --durations=25 ${PARALLEL[*]} $* (stack ${LYCHEE_CI_STACK:-a})"
+echo "test.sh: $PY -m pytest -q -m \"$MARKERS\" --durations=25 ${PARALLEL[*]:-} $* (stack ${LYCHEE_CI_STACK:-a})"
 rc=0
 "$PY" -m pytest -q -m "$MARKERS" --durations=25 ${PARALLEL[@]+"${PARALLEL[@]}"} "$@" || rc=$?
 if [[ $rc -eq 5 ]]; then

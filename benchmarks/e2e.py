@@ -550,8 +550,8 @@ def lychee_config(args, kind: str, budget: int):
         kw.update(feature_config(kind[len("lychee_"):]))
     if args.device == "cpu":
         kw["backend"] = "eager"
-    elif not args.no_cuda_graphs:
-        kw["cuda_graphs"] = True              # preflight() checked that this checkout has the field
+    else:                                     # preflight() checked that this checkout has the field
+        kw["cuda_graphs"] = not args.no_cuda_graphs
     if kind == "flash_dense":
         kw["attention"] = "flash_dense"
     kw.update(lychee_overrides(args))

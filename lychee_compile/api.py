@@ -55,9 +55,11 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     if not isinstance(head_map, HeadMap):
         raise HeadMapError(f"head_map must be a HeadMap or a path to one, got {type(head_map).__name__}.")
     head_map.validate_for(model, config.strict)
+    asked = config.cuda_graphs
     config, graphs = config.resolved_for(model.device)
-    # a CUDA model decoding without CUDA graphs is the slow path: say so where it was not asked for
-    (log.warning if model.device.type == "cuda" and not config.cuda_graphs else log.info)("lychee_compile: %s", graphs)
+    # a CUDA model decoding without CUDA graphs is the slow path: a warning where that was not asked for
+    slow = model.device.type == "cuda" and not config.cuda_graphs and asked is None
+    (log.warning if slow else log.info)("lychee_compile: %s", graphs)
 
     global_layers, linear_groups = probe_global_layers(model, config)
     if config.rectify_every and len(global_layers) != model.config.num_hidden_layers:
@@ -196,7 +198,7 @@ def _guard_generate(model, counters, strict: bool) -> None:
 
     def generate(*args, **kwargs):
         check_padding_mask(kwargs.get("attention_mask"))
-        refused = unsupported_mode(model, kwargs)
+        refused = unsupported_mode(model, args, kwargs)
         if refused is not None:
             if strict:
                 raise LycheeCompileError(refused)
@@ -243,7 +245,7 @@ def _own_compiled_call(model) -> None:
     made: dict = {}
 
     def get_compiled_call(compile_config):
-        compile_config = compile_config or model.generation_config.compile_config
+        compile_config = compile_config or model.generation_config.compile_config or model._default_compile_config()
         if "call" not in made or made["config"] != compile_config:
             made.update(config=compile_config, call=torch.compile(call, **compile_config.to_dict()))
         return made["call"]

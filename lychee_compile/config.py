@@ -150,9 +150,9 @@ class LycheeConfig:
             raise LycheeConfigError("cuda_graphs=True needs backend='inductor' (Inductor captures the graphs).")
 
     def resolved_for(self, device) -> tuple["LycheeConfig", str]:
-        """This config with cuda_graphs decided for a model on `device` (a torch.device) (True / False as given;
-        None: on for a CUDA
-        model with the Inductor backend and no rectification), and why, as a sentence for the log."""
+        """This config with cuda_graphs decided for a model on `device` (a torch.device): True / False as given;
+        None: on for a CUDA model with the Inductor backend and no rectification. Also why, as a sentence for the
+        log."""
         if self.cuda_graphs is not None:
             return self, f"CUDA graphs {'on' if self.cuda_graphs else 'off'} (as configured)"
         why_not = ("the model is not on a CUDA device" if device.type != "cuda" else

@@ -15,9 +15,14 @@ import copy
 SUPPORTED = ("greedy_search", "sample")
 
 
-def unsupported_mode(model, kwargs) -> str | None:
-    """What generate(**kwargs) would run instead of the rewritten decode step, as a sentence; None when it runs it."""
-    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+def unsupported_mode(model, args, kwargs) -> str | None:
+    """What generate(*args, **kwargs) would run instead of the rewritten decode step, as a sentence; None when it runs
+    it. The generation config is merged as generate() merges it: a passed one (keyword, or generate()'s second
+    positional argument) with its unset fields taken from the model's, then the keyword arguments."""
+    passed = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+    config = copy.deepcopy(passed if passed is not None else model.generation_config)
+    if passed is not None:
+        config.update(defaults_only=True, **model.generation_config.to_dict())
     config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
     if getattr(config, "prefill_chunk_size", None):
         return (f"chunked prefill (prefill_chunk_size={config.prefill_chunk_size}) is not supported: it feeds the "

@@ -24,6 +24,9 @@ def check_padding_mask(mask) -> None:
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise LycheeCompileError(f"lychee_compile's generate() takes a 2-D padding mask [batch, prompt length], got "
                                  f"{shape}; custom (4-D) attention masks are not supported by the rewritten step.")
+    if mask.shape[1] == 0:
+        raise LycheeCompileError("attention_mask has no positions (shape [batch, 0]): a prompt needs at least one "
+                                 "token.")
     valid = mask.to(torch.bool)
     empty = ~valid.any(dim=1)
     right = valid.any(dim=1) & ~valid[:, -1]

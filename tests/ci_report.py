@@ -22,8 +22,8 @@ IDS_DIR = pathlib.Path(__file__).parent / "ci_ids"
 FILE_SECONDS: collections.Counter = collections.Counter()
 FILE_TESTS: collections.Counter = collections.Counter()
 STACK_A_ONLY = ("slow", "single_stack")
-SELECTED: list = []
-TIMES: dict = {}      # monotonic seconds: session start, end of collection (this process's imports and collection)   # node ids of this session's selected tests (after -m / -k deselection), on every process
+SELECTED: list = []   # node ids of this session's selected tests (after -m / -k deselection), on every process
+TIMES: dict = {}      # monotonic seconds: session start, end of collection (this process's imports and collection)
 
 
 def ci_stack() -> str:

@@ -1,5 +1,6 @@
-"""CUDA graphs (LycheeConfig(cuda_graphs=True)) on the GPU: the decode step is captured once and replayed; tokens
-equal the same compiled model without graphs; set_head_map() reaches the replayed graph with no re-capture."""
+"""CUDA graphs: the default (cuda_graphs=None) decided per model and logged (CPU); on the GPU the decode step is
+captured once and replayed, tokens equal the same compiled model without graphs, set_head_map() reaches the replayed
+graph with no re-capture, and the default config captures them (a DynamicCache decodes without)."""
 from __future__ import annotations
 
 import dataclasses

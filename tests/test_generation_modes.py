@@ -77,3 +77,18 @@ def test_not_strict_logs_and_counts_a_dense_beam_search(caplog):
     counters = state_of(model).counters
     assert counters.generate_calls_dense == 1 and counters.decode_calls == 0
     assert torch.equal(out.sequences, _generate(dense, num_beams=2).sequences)
+
+
+def test_a_dense_mode_from_the_models_defaults_is_refused_under_a_passed_config():
+    # generate() fills a passed generation config's unset fields from the model's (a hub default num_beams=4)
+    from transformers import GenerationConfig
+    model, _ = _pair()
+    model.generation_config.num_beams = 4
+    ids, mask = make_batch(lengths=(14, 9))
+    for passed in (GenerationConfig(max_new_tokens=3), None):
+        with pytest.raises(LycheeCompileError, match="beam_search"):
+            if passed is None:
+                model.generate(ids, attention_mask=mask, max_new_tokens=3)
+            else:
+                model.generate(ids, passed, attention_mask=mask)      # positional, as generate(inputs, config)
+    assert state_of(model).counters.decode_calls == 0

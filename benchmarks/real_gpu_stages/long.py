@@ -78,6 +78,7 @@ def run(args, report, device: str) -> None:
                head_map=where, config=repr(cfg), passkey=prompt.passkey)
     report.save()
     lychee_compile(model, hm, cfg)
+    res["config"] = repr(state_of(model).config)      # as resolved for this model (cuda_graphs decided)
     counters = state_of(model).counters
     seqs = []
     for call in range(args.long_calls):

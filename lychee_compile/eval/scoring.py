@@ -24,8 +24,9 @@ from ..errors import DenseFallback, SparsityNotMeasured
 
 
 def configure_dynamo(recompile_limit: int = 256) -> None:
-    """Many weight-sharing variants compile the same code object (Module.__call__): raise Dynamo's per-code
-    recompile limit, and make hitting it an error instead of a silent fallback to eager (dense) execution."""
+    """Each variant compiles a decode call of its own (api._own_compiled_call), so variants no longer add up against
+    one code object's recompile limit; the limits stay raised and hitting one is made an error instead of a silent
+    fallback to eager (dense) execution."""
     import torch._dynamo.config as dc
     dc.recompile_limit = max(dc.recompile_limit, recompile_limit)
     dc.accumulated_recompile_limit = max(dc.accumulated_recompile_limit, 4 * recompile_limit)
