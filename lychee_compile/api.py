@@ -68,7 +68,9 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     retrieval = head_map.effective(global_layers, config.first_layer_retrieval)
     counters = Counters()
     snapshots: list[str] = []
-    backend = make_backend(model, config, retrieval, head_map.streaming, counters, head_map.digest(), snapshots)
+    def backend_for(cfg):
+        return make_backend(model, cfg, retrieval, head_map.streaming, counters, head_map.digest(), snapshots)
+    backend = backend_for(config)
     _install(model, backend)
     if config.fuse_linears:
         fuse_weights(model, linear_groups)
@@ -77,9 +79,7 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     before_decode = install_state(model, config, retrieval[global_layers], global_layers)
     # last: its compiled call must include the forward wrappers. A DynamicCache grows every step: its decode steps
     # compile without CUDA graphs (a graph would be recorded for every length)
-    dynamic_backend = backend if not config.cuda_graphs else make_backend(
-        model, dataclasses.replace(config, cuda_graphs=False), retrieval, head_map.streaming, counters,
-        head_map.digest(), snapshots)
+    dynamic_backend = backend_for(dataclasses.replace(config, cuda_graphs=False)) if config.cuda_graphs else backend
     install_dynamic_cache(model, dynamic_backend, config, before_decode)
     _guard_generate(model, counters, config.strict)
     setattr(model, _STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend,

@@ -77,9 +77,8 @@ def run(args) -> int:
     import torch
 
     from ..head_map import HeadMap
-    from ..errors import RealModelUnavailable
+    from ..errors import MethodError, RealModelUnavailable
     from .models import load_eval_model
-    from ..errors import MethodError
     from .methods import default_head_map, method_spec, parse_policy_params
     from .runner import markdown_table, run_eval, summarize, write_outputs
     from .tasks import passkey_items, repeat_items, text_items
