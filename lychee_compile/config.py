@@ -14,6 +14,67 @@ from .errors import LycheeConfigError
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """How the rewritten decode step is generated on CUDA (no effect on values, only on speed; the defaults are the
+    measured fast path: docs/ARCHITECTURE.md and lowering/compile.py say why each). Benchmarks turn them off one by
+    one (`benchmarks/e2e.py --kernels pdl=false`); `KernelOptions.parse` reads that text."""
+    # Inductor's combo kernels: the step's small independent pointwise / norm kernels share launches.
+    combo_kernels: bool = True
+    # ... and two groups of our own among them (lowering/combo_groups.py): the kernels that read graph inputs only
+    # (each layer's head kinds), and the write-backs of mutated inputs nothing reads (cache length counters).
+    combo_input_reads: bool = True
+    combo_tail_writes: bool = True
+    # Programmatic dependent launch for Inductor's kernels (compute capability 9+), and for our two templates.
+    pdl: bool = True
+    pdl_templates: bool = True
+    # With LycheeConfig.tune_kernels: also tune the pointwise kernels, and the reductions of < 256 outputs (norms);
+    # time each tuning variant on the device alone ("alone") or with Inductor's own timer ("inductor").
+    tune_pointwise: bool = False
+    tune_small_reductions: bool = False
+    tune_timing: str = "alone"
+    # The split launch's gathered (sparse-head) tile: (tokens per tile, pipeline stages, weight in the work pool);
+    # None: the template's defaults (lowering/kernel_params).
+    sparse_tile: tuple | None = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise LycheeConfigError(f"KernelOptions.{f.name} must be a bool, got {value!r}.")
+        if self.tune_timing not in ("alone", "inductor"):
+            raise LycheeConfigError(f"KernelOptions.tune_timing must be 'alone' or 'inductor', got "
+                                    f"{self.tune_timing!r}.")
+        tile = self.sparse_tile
+        if tile is not None and (not isinstance(tile, tuple) or len(tile) != 3
+                                 or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in tile)):
+            raise LycheeConfigError(f"KernelOptions.sparse_tile must be None or three positive ints (tokens per "
+                                    f"tile, stages, cost), got {tile!r}.")
+
+    @classmethod
+    def parse(cls, text: str) -> "KernelOptions":
+        """'pdl=false,sparse_tile=64:3:2' -> KernelOptions (benchmarks' command lines); '' -> the defaults."""
+        kw = {}
+        names = {f.name: f.type for f in dataclasses.fields(cls)}
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            name, _, value = item.partition("=")
+            if name not in names:
+                raise LycheeConfigError(f"KernelOptions has no field {name!r}; fields: {sorted(names)}.")
+            if names[name] == "bool":
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise LycheeConfigError(f"KernelOptions.{name}: expected true/false, got {value!r}.")
+                kw[name] = value.lower() in ("true", "1")
+            elif name == "sparse_tile":
+                try:
+                    kw[name] = tuple(int(x) for x in value.split(":"))
+                except ValueError:
+                    raise LycheeConfigError(f"KernelOptions.sparse_tile: expected 'tokens:stages:cost', e.g. "
+                                            f"'128:2:4', got {value!r}.") from None
+            else:
+                kw[name] = value
+        return cls(**kw)
+
+
+@dataclasses.dataclass(frozen=True)
 class LycheeConfig:
     # Tokens each sparse head may attend to beyond sink/local (rounded up to whole blocks).
     budget: int = 1024
@@ -72,6 +133,8 @@ class LycheeConfig:
     # o_proj / down_proj at 1-4 rows 2-2.5 us faster each on the H200), unless CUBLAS_WORKSPACE_CONFIG is set.
     # True keeps cuBLAS's default workspace.
     decode_blas_workspace: bool = False
+    # Code-generation choices below these (KernelOptions above): benchmarks' switches, defaults are the fast path.
+    kernels: KernelOptions = KernelOptions()
 
     def __post_init__(self) -> None:
         for name in ("budget", "block_size", "sink_tokens", "local_tokens"):
@@ -131,6 +194,8 @@ class LycheeConfig:
             raise LycheeConfigError("LycheeConfig.first_layer_retrieval must be a bool.")
         if not isinstance(self.strict, bool):
             raise LycheeConfigError(f"LycheeConfig.strict must be a bool, got {self.strict!r}.")
+        if not isinstance(self.kernels, KernelOptions):
+            raise LycheeConfigError(f"LycheeConfig.kernels must be a KernelOptions, got {self.kernels!r}.")
         if self.backend not in ("inductor", "eager"):
             raise LycheeConfigError(f"LycheeConfig.backend must be 'inductor' or 'eager', got {self.backend!r}.")
 

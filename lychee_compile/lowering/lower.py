@@ -8,11 +8,10 @@ compiled kernel pair serves every layer and head map.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import compat
+from .compile import pdl_templates, sparse_tile
 from .template import (COMBINE_MASS_SOURCE, COMBINE_SOURCE, SPLIT_MASS_SOURCE, SPLIT_SOURCE, combine_num_warps,
                        interpreting, kernel_params)
 
@@ -33,20 +32,6 @@ def _combine_grid(b, t, meta, *, cdiv):
 
 
 _TEMPLATES = {}
-
-
-def sparse_tile(env=None) -> dict:
-    """Gathered (sparse-head) tile parameters of the split launch: tokens per tile, its loop's pipelining depth and
-    its weight in the work pool (template glossary: SBN, SPARSE_STAGES, SPARSE_COST). LYCHEE_SPARSE_TILE="bn,stages,
-    cost" overrides them (a benchmark knob, read at compile time; part of compat.CodegenKey's uuid)."""
-    spec = (os.environ if env is None else env).get("LYCHEE_SPARSE_TILE", "")
-    if not spec:
-        return {}     # kernel_params' defaults
-    try:
-        bn, stages, cost = (int(x) for x in spec.split(","))
-    except ValueError:
-        raise ValueError(f"LYCHEE_SPARSE_TILE={spec!r}: expected three integers 'bn,stages,cost', e.g. '128,2,4'")
-    return dict(sparse_bn=bn, sparse_stages=stages, sparse_cost=cost)
 
 
 def templates(mass: bool = False):
@@ -176,7 +161,7 @@ def _lower(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tok
                            nb_hint=nb_hint, policy=int(policy), policy_param=float(policy_param), mass=mass,
                            **sparse_tile(),
                            extra_width=compat.static_int(extra.get_size()[2]) if mass else 0, defer=defer)
-    pdl = compat.pdl_templates(device)       # both launches with programmatic dependent launch (template PDL)
+    pdl = pdl_templates(device)       # both launches with programmatic dependent launch (template PDL)
     sp, cp = dict(sp, DOT_UPCAST=interpreting(), PDL=int(pdl)), dict(cp, PDL=int(pdl))
     launch = dict(triton_meta={"launch_pdl": True}) if pdl else {}
     NB = compat.CeilDiv(T, int(block_size))
