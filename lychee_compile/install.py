@@ -10,12 +10,15 @@
   5. state buffers registered (`_lychee_kinds`; `_lychee_heat` with heat; `_lychee_quest` at the first prefill with
      Quest), forward wrapped to announce them to the graph and rebuild them at a prefill; with Quest,
      get_compiled_call wrapped to rebuild descriptors for a cache this model did not prefill (state_buffers.py).
-  6. forward wrapped to route decode steps on a DynamicCache through the backend, and generate() wrapped to let
-     cache objects in (dynamic_cache.py). After 5: the compiled call must include 5's forward wrapper.
-  7. generate() wrapped (outermost): a padding mask the step cannot read and, in strict mode, a generation mode that
+  6. forward wrapped to route decode steps made outside the compiled call (beam search's, on the static cache)
+     through it and those on a DynamicCache through the backend, and generate() wrapped to let cache objects in
+     (dynamic_cache.py). After 5: the compiled call must include 5's forward wrapper.
+  7. `_reorder_cache`: beam search reorders the cache and the state buffers in place (beam_search.py); during a
+     beam-search generate() the model carries `_lychee_beam_steps` (set by 8), which routes its steps (6).
+  8. generate() wrapped (outermost): a padding mask the step cannot read and, in strict mode, a generation mode that
      would not run the rewrite are refused before any work; a generate() whose decode steps bypassed the rewrite
      is an error in strict mode, a warning otherwise (masks.py, generation_modes.py).
-  8. `_lychee_state` (api.LycheeState): config, head map, counters, backend, snapshots.
+  9. `_lychee_state` (api.LycheeState): config, head map, counters, backend, snapshots.
 Nothing else on the model or in the process changes (Inductor: lowering/inductor_changes.py).
 """
 from __future__ import annotations
@@ -24,9 +27,10 @@ import logging
 
 import torch
 
+from .beam_search import BEAM_STEPS_ATTR, install_beam_reorder
 from .dynamic_cache import fresh_call, install_dynamic_cache
 from .errors import LycheeCompileError
-from .generation_modes import unsupported_mode
+from .generation_modes import generation_mode, unsupported_mode
 from .linear_groups import fuse_weights
 from .masks import check_padding_mask
 from .rectify import install_rectification
@@ -37,7 +41,7 @@ log = logging.getLogger("lychee_compile")
 
 
 def install(model, config, backend, dynamic_backend, linear_groups, kinds, global_layers, counters) -> None:
-    """Steps 1-7 of the module docstring (api.lychee_compile sets 8). kinds: bool [Lg, Hkv], the head kinds of the
+    """Steps 1-8 of the module docstring (api.lychee_compile sets 9). kinds: bool [Lg, Hkv], the head kinds of the
     global layers `global_layers`; dynamic_backend: the backend for DynamicCache decode steps."""
     _compile_decode_steps(model, backend)                                            # 1, 2
     if config.fuse_linears:
@@ -46,10 +50,11 @@ def install(model, config, backend, dynamic_backend, linear_groups, kinds, globa
         install_rectification(model, config.rectify_every)                          # 4
     before_decode = install_state(model, config, kinds, global_layers)              # 5
     install_dynamic_cache(model, dynamic_backend, config, before_decode)            # 6
-    _guard_generate(model, counters, config.strict)                                  # 7
+    install_beam_reorder(model)                                                      # 7
+    _guard_generate(model, counters, config)                                         # 8
 
 
-def _guard_generate(model, counters, strict: bool) -> None:
+def _guard_generate(model, counters, config) -> None:
     """Wrap the instance's generate() so a call whose decode steps bypassed the rewrite (a dynamic cache, compile
     disabled, a generation mode HF does not compile) never passes silently as lychee output; a padding mask the
     rewritten step cannot read (masks.py) and, in strict mode, a generation mode that would not run it
@@ -58,13 +63,18 @@ def _guard_generate(model, counters, strict: bool) -> None:
 
     def generate(*args, **kwargs):
         check_padding_mask(kwargs.get("attention_mask"))
-        refused = unsupported_mode(model, args, kwargs)
+        refused = unsupported_mode(model, args, kwargs, config.rectify_every)
         if refused is not None:
-            if strict:
+            if config.strict:
                 raise LycheeCompileError(refused)
             log.warning("lychee_compile: %s", refused)
         before = counters.decode_calls
-        out = inner(*args, **kwargs)
+        beams = generation_mode(model, args, kwargs).startswith("beam_")
+        setattr(model, BEAM_STEPS_ATTR, beams)
+        try:
+            out = inner(*args, **kwargs)
+        finally:
+            setattr(model, BEAM_STEPS_ATTR, False)
         sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
         prompt = args[0] if args else kwargs.get("input_ids")
         new_tokens = (sequences.shape[-1] - prompt.shape[-1]) if (
@@ -74,7 +84,7 @@ def _guard_generate(model, counters, strict: bool) -> None:
             message = ("generate() produced its tokens without the lychee decode step (it ran dense): transformers "
                        "did not compile the decode step -- use the static cache lychee_compile set or a "
                        "DynamicCache (other cache kinds, use_cache=False or disabled compilation bypass it).")
-            if strict:
+            if config.strict:
                 raise LycheeCompileError(message)
             log.warning("lychee_compile: %s", message)
         return out
