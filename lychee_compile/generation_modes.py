@@ -5,8 +5,8 @@ stopping criteria or num_return_sequences: their loop calls model.get_compiled_c
 prefill. Beam search (and beam sampling) calls the model directly: those steps are routed through the compiled call
 and the cache and state are reordered in place (beam_search.py), except with rectify_every. The other modes do not
 run it: assisted generation and prompt lookup verify several tokens a step; contrastive search, DoLa, group and
-constrained beam search are loaded from the hub (offline: not at all); chunked prefill (prefill_chunk_size) makes
-a step of several tokens. Their tokens would come from dense attention, so lychee_compile names the mode and refuses
+constrained beam search are loaded from the hub (offline: not at all). Chunked prefill (prefill_chunk_size) runs its
+chunks through the compiled call as prefill graphs, dense, as any prefill. Their tokens would come from dense attention, so lychee_compile names the mode and refuses
 it before the prefill (strict mode), or logs it and lets generate() count the dense call (generate_calls_dense).
 """
 from __future__ import annotations
@@ -20,9 +20,6 @@ def unsupported_mode(model, args, kwargs, rectify_every: int = 0) -> str | None:
     """What generate(*args, **kwargs) would run instead of the rewritten decode step, as a sentence; None when it runs
     it."""
     config = merged_config(model, args, kwargs)
-    if getattr(config, "prefill_chunk_size", None):
-        return (f"chunked prefill (prefill_chunk_size={config.prefill_chunk_size}) is not supported: it feeds the "
-                "compiled step several tokens at a time. Leave prefill_chunk_size unset.")
     if kwargs.get("custom_generate") is not None:
         return "a custom_generate loop does not call the compiled decode step."
     mode = generation_mode(model, args, kwargs, config)

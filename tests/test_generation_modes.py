@@ -56,8 +56,7 @@ def test_supported_modes_run_the_rewrite_and_equal_dense(mode):
 
 
 REFUSED = {"contrastive_search": dict(penalty_alpha=0.6, top_k=4),
-           "dola_generation": dict(dola_layers="low"), "assisted_generation": dict(prompt_lookup_num_tokens=2),
-           "chunked prefill": dict(prefill_chunk_size=4)}
+           "dola_generation": dict(dola_layers="low"), "assisted_generation": dict(prompt_lookup_num_tokens=2)}
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
