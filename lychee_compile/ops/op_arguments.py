@@ -56,6 +56,12 @@ def _param(target, name: str) -> tuple[int, Param]:
     raise KeyError(f"{getattr(target, '__name__', target)} has no argument {name!r}; it has {arg_names(target)}")
 
 
+def _refuse_unknown(target, names) -> None:
+    unknown = set(names) - set(arg_names(target))
+    if unknown:
+        raise TypeError(f"{target}: unknown arguments {sorted(unknown)}; its schema takes {arg_names(target)}")
+
+
 def bind(target, args: tuple, kwargs: dict | None = None) -> dict:
     """name -> value of a call `target(*args, **kwargs)`, in schema order, defaults filled; a missing or unknown
     argument raises TypeError (as the call would)."""
@@ -63,9 +69,7 @@ def bind(target, args: tuple, kwargs: dict | None = None) -> dict:
     ps = params(target)
     if len(args) > sum(not p.kwarg_only for p in ps):
         raise TypeError(f"{target}: {len(args)} positional arguments, its schema takes {arg_names(target)}")
-    unknown = set(kwargs) - set(arg_names(target))
-    if unknown:
-        raise TypeError(f"{target}: unknown arguments {sorted(unknown)}; its schema takes {arg_names(target)}")
+    _refuse_unknown(target, kwargs)
     bound = {}
     for i, p in enumerate(ps):
         if i < len(args):
@@ -83,9 +87,7 @@ def positional(target, named: dict) -> tuple:
     """The positional args of a call of `target` with the arguments `named` (name -> value): schema order up to the
     last one named, the defaults of the unnamed ones between (a name the schema lacks, or a gap without a default,
     raises)."""
-    unknown = set(named) - set(arg_names(target))
-    if unknown:
-        raise TypeError(f"{target}: unknown arguments {sorted(unknown)}; its schema takes {arg_names(target)}")
+    _refuse_unknown(target, named)
     ps = [p for p in params(target) if not p.kwarg_only]
     last = max((i for i, p in enumerate(ps) if p.name in named), default=-1)
     args = []
