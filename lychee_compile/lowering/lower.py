@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.op_arguments import arg_names, bind
 from . import compat
 from .compile import pdl_templates, sparse_tile
 from .template import (COMBINE_MASS_SOURCE, COMBINE_SOURCE, SPLIT_MASS_SOURCE, SPLIT_SOURCE, combine_num_warps,
@@ -96,18 +97,14 @@ def _int32(value: int, device):
     return compat.lowerings[torch.ops.aten.scalar_tensor.default](value, dtype=torch.int32, device=device)
 
 
-def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
-                           policy=0, policy_param=0.0, quest_mode=0, quest_blocks=0, select=None,
-                           defer_select=False):
+def hybrid_decode_lowering(*args, **kwargs):
     # The templates implement every selection policy (a constexpr of the combine kernel) but no Quest bounds;
     # Quest and unsupported inputs run the reference (extern), with all of the op's arguments (its idx_out is
     # then complete on return, deferred or not).
-    args = (q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, policy, policy_param,
-            quest_mode, quest_blocks, select, defer_select)
-    if quest_mode != 0 or _unsupported(q, k, idx_in):
-        return _fallback(OP, *args)
-    return _lower(q, k, v, valid, retrieval, idx_in, None, scale, block_size, sink_tokens, local_tokens, policy,
-                  policy_param, select, defer=bool(defer_select))
+    a = bind(OP, args, kwargs)           # name -> value, as the op's schema names them, defaults filled
+    if a["quest_mode"] != 0 or _unsupported(a["q"], a["k"], a["idx_in"]):
+        return _fallback(OP, *a.values())
+    return _lower(**_template_args(a), defer=bool(a["defer_select"]))
 
 
 def index_ready_lowering(idx, hold=()):
@@ -126,14 +123,16 @@ def index_ready_lowering(idx, hold=()):
     return _extern(INDEX_READY_OP, idx, list(entry or ()) + list(hold))
 
 
-def hybrid_decode_mass_lowering(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tokens,
-                                local_tokens, policy=0, policy_param=0.0, select=None):
-    args = (q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tokens, local_tokens, policy,
-            policy_param, select)
-    if _unsupported(q, k, idx_in):
-        return _fallback(MASS_OP, *args)
-    return _lower(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tokens, local_tokens, policy,
-                  policy_param, select)
+def hybrid_decode_mass_lowering(*args, **kwargs):
+    a = bind(MASS_OP, args, kwargs)
+    if _unsupported(a["q"], a["k"], a["idx_in"]):
+        return _fallback(MASS_OP, *a.values())
+    return _lower(**_template_args(a))
+
+
+def _template_args(a: dict) -> dict:
+    """What the templates take of a decode op's arguments, by name: the mass op's (hybrid_decode has no `extra`)."""
+    return {name: a.get(name) for name in arg_names(MASS_OP)}
 
 
 def _unsupported(q, k, idx_in) -> bool:
