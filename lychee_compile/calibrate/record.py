@@ -3,7 +3,7 @@
 
 Fields: status (certified | unconfirmed | failed) and reasons; target; quality per metric on the held-out prompts
 (value, paired 95% interval, prompt count) and on the search prompts; prompts (search and held-out counts per task,
-seeds); kv_bytes_per_step, dense_kv_bytes_per_step and bytes_per_step_vs_dense (record.py's kv_bytes model);
+seeds); kv_bytes_per_step, dense_kv_bytes_per_step and bytes_per_step_vs_dense (kv_bytes.py's model);
 recommended_budget (tokens) and context_range [min, max] it was calibrated for; block_size / sink_tokens /
 local_tokens it assumes; data_digest; tool_version; torch; device; search and certify wall seconds.
 """
