@@ -12,7 +12,7 @@ from .report import render
 def write_outputs(session, scores, points, chosen, cert, search_s: float, data_digest: str, out_dir: str):
     kw, target = session.kw, session.target
     paths = {"frontier": os.path.join(out_dir, "frontier.png"), "report": os.path.join(out_dir, "report.md")}
-    plot_frontier(points, chosen, target.metrics[0], paths["frontier"])
+    plot_frontier(points, chosen, target.metrics, paths["frontier"])
     record, hm = None, None
     if chosen is not None:
         record = calibration_record(kw, target, chosen, cert, session.kv_bytes(None, None), search_s, data_digest,
