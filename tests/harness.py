@@ -15,14 +15,15 @@ from tests.models import make, make_batch
 EXACT_TOL = 1e-4
 
 
-def generate_logits(model, input_ids, attention_mask, steps: int, cache: str = "static"):
+def generate_logits(model, input_ids, attention_mask, steps: int, cache: str = "static", **generate_kwargs):
     """Greedy generate with a static cache, or (cache="dynamic") a DynamicCache passed in as past_key_values;
-    returns (sequences, logits [steps, B, vocab])."""
+    returns (sequences, logits [steps, B, vocab]). generate_kwargs go to generate() (e.g. logits_processor)."""
     cache_kwargs = (dict(cache_implementation="static") if cache == "static"
                     else dict(past_key_values=DynamicCache(config=model.config)))
     with torch.no_grad():
         out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=steps, min_new_tokens=steps,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True, **cache_kwargs)
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, **cache_kwargs,
+                             **generate_kwargs)
     return out.sequences, torch.stack(out.logits)
 
 

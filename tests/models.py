@@ -1,7 +1,8 @@
 """Tiny random-init Hugging Face decoders for tests (CPU, fp32, seconds to build and run).
 
-Every factory returns a seeded, fp32, ``eval()`` model with vocab 128, a few layers and head_dim 16, built from the
-config class directly (no hub). The same kwargs work on transformers 5.17 and 5.23 (checked on both).
+Every factory returns a seeded, fp32, ``eval()`` model with vocab 128, a few layers and head_dim 16 (phi3_d96: 96;
+olmo2: 8), built from the config class directly (no hub). The same kwargs work on transformers 5.17 and 5.23
+(checked on both).
 
     from tests.models import ARCHS, make, make_batch
     model = make("qwen2_gqa7", "sdpa")
@@ -16,6 +17,7 @@ Arch keys and what each one exercises:
     gemma3           text-only Gemma3ForCausalLM; layer_types sliding/full/sliding/full (2 global layers),
                      sliding_window=8, query_pre_attn_scalar != head_dim (scaling is not 1/sqrt(d)), MQA
     phi3             fused qkv_proj, MHA
+    phi3_d96         head_dim 96 (hidden 384 / 4 heads; not a power of two), GQA 2
     gpt_neox         MHA, fused query_key_value, partial rotary (rotary_pct 0.25), parallel residual
     granite          attention_multiplier 0.1 as the attention scale, GQA 2
     olmo2            head_dim 8 (8 q / 4 kv heads), q/k RMSNorm over the whole projection
@@ -114,6 +116,14 @@ def make_phi3(attn_impl: str = "sdpa", seed: int = 0):
     return _finish(Phi3ForCausalLM, cfg, attn_impl, seed)
 
 
+def make_phi3_d96(attn_impl: str = "sdpa", seed: int = 0):
+    from transformers import Phi3Config, Phi3ForCausalLM
+    # head_dim 96 as in Phi-3-mini: hidden 384 / 4 heads (Phi3 derives head_dim from hidden_size / heads)
+    cfg = Phi3Config(**dict(_COMMON, hidden_size=4 * 96), num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, original_max_position_embeddings=256)
+    return _finish(Phi3ForCausalLM, cfg, attn_impl, seed)
+
+
 def make_gpt_neox(attn_impl: str = "sdpa", seed: int = 0):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
     # hidden 64 / 4 heads = head_dim 16; rotary_pct 0.25 -> 4 rotary dims per head (partial rotary).
@@ -146,6 +156,7 @@ ARCHS = {
     "mistral_swa": make_mistral_swa,
     "gemma3": make_gemma3,
     "phi3": make_phi3,
+    "phi3_d96": make_phi3_d96,
     "gpt_neox": make_gpt_neox,
     "granite": make_granite,
     "olmo2": make_olmo2,
