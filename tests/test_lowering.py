@@ -130,15 +130,18 @@ def test_codegen_key_follows_the_lowering_sources_and_spares_a_users_pass(monkey
     from lychee_compile.lowering import compat
     digest = compat.CODEGEN_KEY.uuid()
     assert len(digest) == 64 and digest == compat.codegen_digest()
-    for name in ("template.py", "compat.py"):
+    (tmp_path / "kernels").mkdir()
+    for name in ("lower.py", "compat.py", "kernels/split.py.jinja"):
         (tmp_path / name).write_text("x = 1\n")
     monkeypatch.setattr(compat, "__file__", str(tmp_path / "compat.py"))
     compat.codegen_digest.cache_clear()
     try:
-        other = compat.codegen_digest()
-        (tmp_path / "template.py").write_text("x = 2\n")
-        compat.codegen_digest.cache_clear()
-        assert len({digest, other, compat.codegen_digest()}) == 3
+        seen = {digest, compat.codegen_digest()}
+        for name in ("lower.py", "kernels/split.py.jinja"):     # a Python source, a kernel template
+            (tmp_path / name).write_text("x = 2\n")
+            compat.codegen_digest.cache_clear()
+            seen.add(compat.codegen_digest())
+        assert len(seen) == 4
     finally:
         compat.codegen_digest.cache_clear()
     with icfg.patch(post_grad_custom_post_pass=lambda graph: None):
@@ -179,7 +182,7 @@ def test_sparse_tile_knob_reads_three_integers_or_keeps_the_defaults():
     # LYCHEE_SPARSE_TILE (a benchmark knob) sets the gathered tile of the split launch; malformed, it says what it
     # wants instead of compiling something else
     from lychee_compile.lowering.lower import sparse_tile
-    from lychee_compile.lowering.template import kernel_params
+    from lychee_compile.lowering.constexprs import kernel_params
     assert sparse_tile({}) == {}
     assert sparse_tile({"LYCHEE_SPARSE_TILE": "64,3,2"}) == dict(sparse_bn=64, sparse_stages=3, sparse_cost=2)
     with pytest.raises(ValueError, match="three integers"):

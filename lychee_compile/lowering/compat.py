@@ -405,11 +405,16 @@ class CodegenKey(CustomGraphPass):
 
 @functools.lru_cache(maxsize=1)
 def codegen_digest() -> str:
-    """sha256 of the lowering package's Python sources (lychee_compile/lowering/*.py), in name order."""
+    """sha256 of the lowering package's Python sources and kernel templates (lychee_compile/lowering/*.py,
+    kernels/*.py.jinja), in path order."""
     import hashlib
     folder = os.path.dirname(os.path.abspath(__file__))
+    kernels = os.path.join(folder, "kernels")
+    names = [n for n in os.listdir(folder) if n.endswith(".py")]
+    if os.path.isdir(kernels):
+        names += [os.path.join("kernels", n) for n in os.listdir(kernels) if n.endswith(".py.jinja")]
     h = hashlib.sha256()
-    for name in sorted(n for n in os.listdir(folder) if n.endswith(".py")):
+    for name in sorted(names):
         with open(os.path.join(folder, name), "rb") as f:
             h.update(name.encode() + b"\0" + f.read())
     return h.hexdigest()
