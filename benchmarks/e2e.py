@@ -141,6 +141,9 @@ def parse_args(argv=None):
     ap.add_argument("--lychee", action="append", default=[], metavar="KEY=JSON",
                     help="set LycheeConfig KEY to the JSON value for every row compiled by lychee_compile (flash_dense "
                          "too), e.g. tune_kernels=false (an experiment; recorded in the JSON's meta)")
+    ap.add_argument("--kernels", default="", metavar="FIELD=VALUE,...",
+                    help="LycheeConfig.kernels for every row compiled by lychee_compile, e.g. pdl=false,"
+                         "sparse_tile=64:3:2 (KernelOptions.parse; an experiment; recorded in the JSON's meta)")
     ap.add_argument("--blas", choices=["default", "cublas", "cublaslt"], default="default",
                     help="torch.backends.cuda.preferred_blas_library for the whole run (every row's GEMMs; a "
                          "tuning experiment; recorded in the JSON's meta)")
@@ -568,6 +571,9 @@ def lychee_overrides(args) -> dict:
     unknown = sorted(set(out) - fields)
     if unknown:
         raise BenchError(f"--lychee: LycheeConfig has no field {unknown}; fields: {sorted(fields)}")
+    if getattr(args, "kernels", "") and "kernels" in fields:
+        from lychee_compile import KernelOptions
+        out["kernels"] = KernelOptions.parse(args.kernels)
     return out
 
 
@@ -700,18 +706,16 @@ class CompilePhases:
                 self._passes_s[0] += time.perf_counter() - t
         backend.run_passes, self._run = timed_run_passes, run
         self._tuned = []
+        # what to wrap: the library's tuning entry points (inductor_changes puts them in place of Inductor's inside
+        # our compiled calls, looked up by name), or Inductor's own in a checkout without them
         try:
-            from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+            from lychee_compile.lowering import inductor_changes as owner
+            names = ("_tune", "_bench")
         except ImportError:
-            self._tuner_cls = None
-            return self
-        try:        # the library's own wrapper first (it skips pointwise kernels), so this one wraps it
-            from lychee_compile.lowering.compat import install_tuning_filter
-            install_tuning_filter()
-        except ImportError:     # a checkout from before session 13
-            pass
-        tune, tuned = CachingAutotuner.coordinate_descent_tuning, self._tuned
-        bench, timings = CachingAutotuner.bench, []
+            from torch._inductor.runtime.triton_heuristics import CachingAutotuner as owner
+            names = ("coordinate_descent_tuning", "bench")
+        tune, bench = (getattr(owner, n) for n in names)
+        tuned, timings = self._tuned, []
 
         def timed_tune(tuner, *a, **kw):
             t, n, launcher = time.perf_counter(), counters["inductor"].get("coordesc_tuning_bench", 0), None
@@ -734,16 +738,15 @@ class CompilePhases:
             timings.append([" ".join(f"{k}={v}" for k, v in c.kwargs.items()) + f" w={c.num_warps}",
                             round(float(ms) * 1e3, 2)])
             return ms
-        self._tuner_cls, self._tune, self._bench = CachingAutotuner, tune, bench
-        CachingAutotuner.coordinate_descent_tuning = timed_tune
-        CachingAutotuner.bench = recording_bench
+        self._owner, self._names, self._tune, self._bench = owner, names, tune, bench
+        setattr(owner, names[0], timed_tune)
+        setattr(owner, names[1], recording_bench)
         return self
 
     def __exit__(self, *exc):
         self._backend.run_passes = self._run
-        if self._tuner_cls is not None:
-            self._tuner_cls.coordinate_descent_tuning = self._tune
-            self._tuner_cls.bench = self._bench
+        setattr(self._owner, self._names[0], self._tune)
+        setattr(self._owner, self._names[1], self._bench)
         kinds = {}
         for t in self._tuned:
             k = kinds.setdefault(t["kind"], dict(kernels=0, configs=0, s=0.0))

@@ -135,11 +135,11 @@ def main(argv=None) -> int:
     import torch
     from real_gpu_stages import evolve, long, quality, train
     from real_gpu_stages.common import Report, TimeUp, log, meta
-    from lychee_compile.eval.scoring import configure_dynamo
+    from lychee_compile.eval.scoring import dynamo_limits
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    configure_dynamo()
+    dynamo_limits().__enter__()     # for the whole script (a process of its own)
     report = Report(args.out, meta(args))
     runners = {"long": long.run, "eval": quality.run, "evolve": evolve.run, "train": train.run}
     failed = 0

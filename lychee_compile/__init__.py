@@ -1,5 +1,5 @@
 """lychee_compile: hybrid retrieval/sparse decode attention for any Hugging Face decoder, via torch.compile."""
-from .config import LycheeConfig  # noqa: F401
+from .config import KernelOptions, LycheeConfig  # noqa: F401
 from .errors import HeadMapError, LycheeCompileError, LycheeConfigError  # noqa: F401
 from .head_map import HeadMap  # noqa: F401
 from . import ops  # noqa: F401  (registers torch.ops.lychee.*)
@@ -16,5 +16,5 @@ def set_head_map(model, head_map):
     return _impl(model, head_map)
 
 
-__all__ = ["lychee_compile", "set_head_map", "HeadMap", "LycheeConfig", "HeadMapError", "LycheeConfigError",
-           "LycheeCompileError"]
+__all__ = ["lychee_compile", "set_head_map", "HeadMap", "LycheeConfig", "KernelOptions", "HeadMapError",
+           "LycheeConfigError", "LycheeCompileError"]

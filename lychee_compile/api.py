@@ -6,7 +6,8 @@ Order of work, so that bad input never leaves a half-changed model:
      its state restored afterwards -- which finds every attention site and refuses unsupported forms;
   3. only then change the model: a static cache and a CompileConfig with our backend in its generation config, so a
      plain model.generate(...) compiles the decode step with the rewrite (prefill stays eager and dense); with
-     fuse_linears, the probe's sibling-linear weights laid out in one buffer each (linear_groups.py).
+     fuse_linears, the probe's sibling-linear weights laid out in one buffer each (linear_groups.py). Every change
+     to the model is made by install.py, in one place and order.
 """
 from __future__ import annotations
 
@@ -19,17 +20,13 @@ import torch
 from .backend import make_backend
 from .config import LycheeConfig
 from .errors import HeadMapError, LycheeCompileError, LycheeConfigError
-from .dynamic_cache import fresh_call, install_dynamic_cache
+from .dynamic_cache import fresh_call
 from .head_map import HeadMap
-from .linear_groups import fuse_weights
-from .generation_modes import unsupported_mode
-from .masks import check_padding_mask
-from .rectify import install_rectification
-from .state_buffers import install_state, write_kinds
+from .install import STATE_ATTR, install
+from .state_buffers import write_kinds
 from .passes import Counters, PassContext, run_passes
 from .passes.fuse_linears import sibling_groups
 
-_STATE_ATTR = "_lychee_state"
 log = logging.getLogger("lychee_compile")
 
 
@@ -40,6 +37,7 @@ class LycheeState:
         self.config, self.head_map, self.retrieval = config, head_map, retrieval
         self.global_layers, self.counters, self.backend = global_layers, counters, backend
         self.snapshots = snapshots     # graph_snapshot() text of each rewritten decode graph
+        self.budget_from_map = False   # config.budget was None: resolved from the head map (set_head_map checks it)
 
 
 def lychee_compile(model, head_map, config: LycheeConfig | None = None):
@@ -55,6 +53,9 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     if not isinstance(head_map, HeadMap):
         raise HeadMapError(f"head_map must be a HeadMap or a path to one, got {type(head_map).__name__}.")
     head_map.validate_for(model, config.strict)
+    budget_from_map = config.budget is None
+    config, budget = config.with_budget_for(head_map)
+    log.info("lychee_compile: %s", budget)
     asked = config.cuda_graphs
     config, graphs = config.resolved_for(model.device)
     # a CUDA model decoding without CUDA graphs is the slow path: a warning where that was not asked for
@@ -68,22 +69,15 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     retrieval = head_map.effective(global_layers, config.first_layer_retrieval)
     counters = Counters()
     snapshots: list[str] = []
+
     def backend_for(cfg):
         return make_backend(model, cfg, retrieval, head_map.streaming, counters, head_map.digest(), snapshots)
     backend = backend_for(config)
-    _install(model, backend)
-    if config.fuse_linears:
-        fuse_weights(model, linear_groups)
-    if config.rectify_every:
-        install_rectification(model, config.rectify_every)
-    before_decode = install_state(model, config, retrieval[global_layers], global_layers)
-    # last: its compiled call must include the forward wrappers. A DynamicCache grows every step: its decode steps
-    # compile without CUDA graphs (a graph would be recorded for every length)
+    # A DynamicCache grows every step: its decode steps compile without CUDA graphs (a graph for every length)
     dynamic_backend = backend_for(dataclasses.replace(config, cuda_graphs=False)) if config.cuda_graphs else backend
-    install_dynamic_cache(model, dynamic_backend, config, before_decode)
-    _guard_generate(model, counters, config.strict)
-    setattr(model, _STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend,
-                                            snapshots))
+    install(model, config, backend, dynamic_backend, linear_groups, retrieval[global_layers], global_layers, counters)
+    setattr(model, STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend, snapshots))
+    state_of(model).budget_from_map = budget_from_map
     return model
 
 
@@ -100,13 +94,29 @@ def set_head_map(model, head_map) -> None:
     if not torch.equal(head_map.streaming, state.head_map.streaming):
         raise HeadMapError("set_head_map can change retrieval/sparse kinds only; streaming heads change the graph "
                            "(they inherit nothing). Compile a fresh model for a different streaming map.")
+    _check_budget_for(state, head_map)
     retrieval = head_map.effective(state.global_layers, state.config.first_layer_retrieval)
     write_kinds(model, retrieval[state.global_layers])
     state.head_map, state.retrieval = head_map, retrieval
 
 
+def _check_budget_for(state, head_map) -> None:
+    """The budget is compiled into the graph: a calibrated map recommending another budget than the one the model
+    was compiled with (where the config left it to the map) would run below its calibration -- refused in strict
+    mode, logged otherwise."""
+    recommended = head_map.recommended_budget
+    if not state.budget_from_map or recommended is None or recommended == state.config.budget:
+        return
+    message = (f"the new head map was calibrated for budget {recommended} tokens, but this model was compiled with "
+               f"{state.config.budget} (from its first map): the budget is compiled in. Compile a fresh model with "
+               "this map, or pass LycheeConfig(budget=...) to choose it yourself.")
+    if state.config.strict:
+        raise HeadMapError(message)
+    log.warning("lychee_compile: %s", message)
+
+
 def state_of(model) -> LycheeState:
-    state = getattr(model, _STATE_ATTR, None)
+    state = getattr(model, STATE_ATTR, None)
     if state is None:
         raise LycheeCompileError("this model has not been through lychee_compile().")
     return state
@@ -117,7 +127,7 @@ def _check_model(model) -> None:
     if not isinstance(model, torch.nn.Module) or config is None or not hasattr(model, "generate"):
         raise LycheeCompileError(f"lychee_compile takes a transformers causal LM (a PreTrainedModel with generate()), "
                                  f"got {type(model).__name__}.")
-    if getattr(model, _STATE_ATTR, None) is not None:
+    if getattr(model, STATE_ATTR, None) is not None:
         raise LycheeCompileError("lychee_compile was already applied to this model; call it once per model "
                                  "(load a fresh model to change the head map or config).")
     if getattr(config, "is_encoder_decoder", False):
@@ -187,67 +197,3 @@ def _unwrap(exc: BaseException) -> BaseException:
     while inner is not None and not isinstance(inner, (LycheeCompileError, HeadMapError, LycheeConfigError)):
         inner = inner.__cause__ or getattr(inner, "inner_exception", None)
     return inner if inner is not None else exc
-
-
-def _guard_generate(model, counters, strict: bool) -> None:
-    """Wrap the instance's generate() so a call whose decode steps bypassed the rewrite (a dynamic cache, compile
-    disabled, a generation mode HF does not compile) never passes silently as lychee output; a padding mask the
-    rewritten step cannot read (masks.py) and, in strict mode, a generation mode that would not run it
-    (generation_modes.py) are refused before any work."""
-    inner = model.generate
-
-    def generate(*args, **kwargs):
-        check_padding_mask(kwargs.get("attention_mask"))
-        refused = unsupported_mode(model, args, kwargs)
-        if refused is not None:
-            if strict:
-                raise LycheeCompileError(refused)
-            log.warning("lychee_compile: %s", refused)
-        before = counters.decode_calls
-        out = inner(*args, **kwargs)
-        sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
-        prompt = args[0] if args else kwargs.get("input_ids")
-        new_tokens = (sequences.shape[-1] - prompt.shape[-1]) if (
-            isinstance(sequences, torch.Tensor) and isinstance(prompt, torch.Tensor)) else 0
-        if new_tokens > 1 and counters.decode_calls == before:
-            counters.generate_calls_dense += 1
-            message = ("generate() produced its tokens without the lychee decode step (it ran dense): transformers "
-                       "did not compile the decode step -- use the static cache lychee_compile set or a "
-                       "DynamicCache (other cache kinds, use_cache=False or disabled compilation bypass it).")
-            if strict:
-                raise LycheeCompileError(message)
-            log.warning("lychee_compile: %s", message)
-        return out
-
-    generate.__doc__ = inner.__doc__
-    model.generate = generate
-
-
-def _install(model, backend) -> None:
-    from transformers import CompileConfig
-    # dynamic=None (HF's default): a second compile may make sizes symbolic, which the passes and ops handle;
-    # dynamic=False would recompile at every step on caches that guard on a Python int (HF's sliding layers).
-    compile_config = CompileConfig(backend=backend, fullgraph=True, mode=None, dynamic=None)
-    # HF auto-compiles generate() only on accelerators unless this flag is set; we want the rewrite everywhere.
-    compile_config._compile_all_devices = True
-    model.generation_config.cache_implementation = "static"
-    model.generation_config.compile_config = compile_config
-    _own_compiled_call(model)
-
-
-def _own_compiled_call(model) -> None:
-    """generate() compiles its decode step through model.get_compiled_call(compile_config). transformers' own
-    compiles `self.__call__`: the same code object (nn.Module's call) for every model in the process, so to Dynamo a
-    second model is a new call of the first one's frame, and its automatic dynamic shapes makes every constant that
-    differs (the attention scale, head counts) a symbolic value -- which no pass can rewrite. Ours compiles a call of
-    this model's own (fresh_call), rebuilt when the compile config changes, as transformers' is."""
-    call = fresh_call(model, "lychee_decode_step")
-    made: dict = {}
-
-    def get_compiled_call(compile_config):
-        compile_config = compile_config or model.generation_config.compile_config or model._default_compile_config()
-        if "call" not in made or made["config"] != compile_config:
-            made.update(config=compile_config, call=torch.compile(call, **compile_config.to_dict()))
-        return made["call"]
-
-    model.get_compiled_call = get_compiled_call

@@ -9,7 +9,6 @@ import logging
 
 import torch
 
-from . import blas
 from .passes import Counters, PassContext, run_passes
 from .passes.snapshot import graph_snapshot
 
@@ -29,14 +28,14 @@ def make_backend(model, config, retrieval: torch.Tensor, streaming: torch.Tensor
         log.info("lychee_compile: graph %d (%s): %d sites%s; %d rewritten in total", counters.graphs,
                  "decode" if ctx.is_decode else "prefill", len(ctx.sites), _site_kinds(ctx),
                  counters.sites_rewritten)
-        compiled = gm.forward if config.backend == "eager" else _inductor(gm, example_inputs, config)
-        if not (ctx.is_decode and not ctx.aborted):
+        decode = ctx.is_decode and not ctx.aborted
+        compiled = gm.forward if config.backend == "eager" else _inductor(gm, example_inputs, config, decode)
+        if not decode:
             return compiled
 
         def rewritten_decode_step(*args):
             counters.decode_calls += 1     # lets generate() prove its decode steps ran the rewrite
-            with blas.decode_products(config.decode_blas_workspace):
-                return compiled(*args)
+            return compiled(*args)
         return rewritten_decode_step
 
     lychee_backend.__name__ = f"lychee_backend_{config.cache_key()}_{head_map_digest}"
@@ -53,8 +52,8 @@ def _site_kinds(ctx) -> str:
     return f": layers {rewritten} rewritten, sliding-window layers {sliding} left as they are"
 
 
-def _inductor(gm, example_inputs, config):
+def _inductor(gm, example_inputs, config, decode: bool):
     from . import lowering
-    from .lowering import compat
+    from .lowering.compile import compile_graph
     lowering.register()
-    return compat.compile_fx(gm, example_inputs, config.cuda_graphs, config.tune_kernels)
+    return compile_graph(gm, example_inputs, config, decode)

@@ -1,17 +1,18 @@
-"""cuBLAS's workspace during a rewritten decode step.
+"""cuBLAS's workspace for a rewritten decode step's matrix products.
 
 A decode step's matrix products have a few rows (the batch). For some of them cuBLAS splits the K dimension to fill
 the GPU and reduces the parts in a second kernel, which needs its workspace: on the H200 (torch 2.11, cuBLAS 13)
 o_proj and down_proj of Llama-3-8B at 1-4 rows ran as `nvjet_..._splitK` + `cublasLt::splitKreduce_kernel`, 14.1 and
-32.3 us; without a workspace cuBLAS picks one kernel each, 11.5 and 30.3 us (`benchmarks/blas_probe.py`;
-BENCHMARKS.md, session 17). In the whole 128K batch-4 step that was 7.70-7.73 -> 7.53 ms.
+32.3 us; without a workspace cuBLAS picks one kernel each, 11.5 and 30.3 us (`benchmarks/blas_probe.py`). In the
+whole 128K batch-4 step that was 7.70-7.73 -> 7.53 ms.
 
 PyTorch reads CUBLAS_WORKSPACE_CONFIG each time it hands a cuBLAS handle its workspace (CublasHandlePool.cpp,
-setWorkspaceForHandle; checked on torch 2.11 on the device), so the size can be set for the calls of one step:
-`decode_products()` sets ":0:0" (no workspace) around the step and restores the environment after it. With CUDA
-graphs the products are captured that way and the replays call no cuBLAS at all. A workspace the user chose (the
-variable already set, e.g. ":4096:8" for deterministic cuBLAS) is left alone, and LycheeConfig.decode_blas_workspace
-=True keeps cuBLAS's default. Prefill graphs are not touched.
+setWorkspaceForHandle; checked on torch 2.11), so the size can be chosen for a span of calls: `no_workspace()` sets
+":0:0" and restores the environment after. It is needed where cuBLAS runs the decode step's products: around the
+CUDA graph capture (the replays call no cuBLAS at all), or around each step that runs without CUDA graphs
+(lowering/inductor_changes.py applies it there, and nowhere else). A workspace the user chose (the variable already
+set, e.g. ":4096:8" for deterministic cuBLAS) is left alone, and LycheeConfig.decode_blas_workspace=True keeps
+cuBLAS's default. Prefill graphs are not touched.
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ NO_WORKSPACE = ":0:0"
 
 
 @contextlib.contextmanager
-def decode_products(keep_workspace: bool):
-    """Run the enclosed cuBLAS calls without a workspace unless keep_workspace or the user set one."""
-    if keep_workspace or os.environ.get(WORKSPACE_ENV) is not None:
+def no_workspace():
+    """Run the enclosed cuBLAS calls without a workspace, unless the user set one."""
+    if os.environ.get(WORKSPACE_ENV) is not None:
         yield
         return
     os.environ[WORKSPACE_ENV] = NO_WORKSPACE

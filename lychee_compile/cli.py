@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_heads(sub)
     from .eval.cli import add_parser as _add_eval  # `lychee eval` (lychee_compile/eval/)
     _add_eval(sub)
+    from .calibrate.cli import add_parser as _add_calibrate  # `lychee calibrate` (lychee_compile/calibrate/)
+    _add_calibrate(sub)
     return parser
 
 

@@ -13,10 +13,76 @@ import math
 from .errors import LycheeConfigError
 
 
+DEFAULT_BUDGET = 1024      # tokens per sparse head where neither the config nor a calibrated head map sets one
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """How the rewritten decode step is generated on CUDA (no effect on values, only on speed; the defaults are the
+    measured fast path: docs/ARCHITECTURE.md and lowering/compile.py say why each). Benchmarks turn them off one by
+    one (`benchmarks/e2e.py --kernels pdl=false`); `KernelOptions.parse` reads that text."""
+    # Inductor's combo kernels: the step's small independent pointwise / norm kernels share launches.
+    combo_kernels: bool = True
+    # ... and two groups of our own among them (lowering/combo_groups.py): the kernels that read graph inputs only
+    # (each layer's head kinds), and the write-backs of mutated inputs nothing reads (cache length counters).
+    combo_input_reads: bool = True
+    combo_tail_writes: bool = True
+    # Programmatic dependent launch for Inductor's kernels (compute capability 9+), and for our two templates.
+    pdl: bool = True
+    pdl_templates: bool = True
+    # With LycheeConfig.tune_kernels: also tune the pointwise kernels, and the reductions of < 256 outputs (norms);
+    # time each tuning variant on the device alone ("alone") or with Inductor's own timer ("inductor").
+    tune_pointwise: bool = False
+    tune_small_reductions: bool = False
+    tune_timing: str = "alone"
+    # The split launch's gathered (sparse-head) tile: (tokens per tile, pipeline stages, weight in the work pool);
+    # None: the template's defaults (lowering/kernel_params).
+    sparse_tile: tuple | None = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise LycheeConfigError(f"KernelOptions.{f.name} must be a bool, got {value!r}.")
+        if self.tune_timing not in ("alone", "inductor"):
+            raise LycheeConfigError(f"KernelOptions.tune_timing must be 'alone' or 'inductor', got "
+                                    f"{self.tune_timing!r}.")
+        tile = self.sparse_tile
+        if tile is not None and (not isinstance(tile, tuple) or len(tile) != 3
+                                 or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in tile)):
+            raise LycheeConfigError(f"KernelOptions.sparse_tile must be None or three positive ints (tokens per "
+                                    f"tile, stages, cost), got {tile!r}.")
+
+    @classmethod
+    def parse(cls, text: str) -> "KernelOptions":
+        """'pdl=false,sparse_tile=64:3:2' -> KernelOptions (benchmarks' command lines); '' -> the defaults."""
+        kw = {}
+        names = {f.name: f.type for f in dataclasses.fields(cls)}
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            name, _, value = item.partition("=")
+            if name not in names:
+                raise LycheeConfigError(f"KernelOptions has no field {name!r}; fields: {sorted(names)}.")
+            if names[name] == "bool":
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise LycheeConfigError(f"KernelOptions.{name}: expected true/false, got {value!r}.")
+                kw[name] = value.lower() in ("true", "1")
+            elif name == "sparse_tile":
+                try:
+                    kw[name] = tuple(int(x) for x in value.split(":"))
+                except ValueError:
+                    raise LycheeConfigError(f"KernelOptions.sparse_tile: expected 'tokens:stages:cost', e.g. "
+                                            f"'128:2:4', got {value!r}.") from None
+            else:
+                kw[name] = value
+        return cls(**kw)
+
+
 @dataclasses.dataclass(frozen=True)
 class LycheeConfig:
-    # Tokens each sparse head may attend to beyond sink/local (rounded up to whole blocks).
-    budget: int = 1024
+    # Tokens each sparse head may attend to beyond sink/local (rounded up to whole blocks). None (default): the head
+    # map's recommended budget where `lychee calibrate` made it (HeadMap.recommended_budget), else DEFAULT_BUDGET;
+    # lychee_compile resolves it (with_budget_for) and logs which.
+    budget: int | None = None
     # Tokens per block; blocks are aligned to absolute position 0. Power of two.
     block_size: int = 16
     # First `sink_tokens` valid positions of a row are always attended (their blocks, outside the budget).
@@ -72,30 +138,33 @@ class LycheeConfig:
     # o_proj / down_proj at 1-4 rows 2-2.5 us faster each on the H200), unless CUBLAS_WORKSPACE_CONFIG is set.
     # True keeps cuBLAS's default workspace.
     decode_blas_workspace: bool = False
+    # Code-generation choices below these (KernelOptions above): benchmarks' switches, defaults are the fast path.
+    kernels: KernelOptions = KernelOptions()
 
     def __post_init__(self) -> None:
         for name in ("budget", "block_size", "sink_tokens", "local_tokens"):
-            value = getattr(self, name)
+            value = self.resolved_budget if name == "budget" else getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 if isinstance(value, float) and math.isnan(value):
                     raise LycheeConfigError(f"LycheeConfig.{name} is NaN; give a positive integer number of tokens.")
                 raise LycheeConfigError(
                     f"LycheeConfig.{name} must be an int, got {type(value).__name__} {value!r}.")
-        if self.budget <= 0:
-            raise LycheeConfigError(f"LycheeConfig.budget must be > 0 tokens, got {self.budget}. "
+        budget = self.resolved_budget
+        if budget <= 0:
+            raise LycheeConfigError(f"LycheeConfig.budget must be > 0 tokens, got {budget}. "
                                     "Use e.g. budget=1024; budget >= context length makes attention dense.")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise LycheeConfigError(f"LycheeConfig.block_size must be a power of two, got {self.block_size}.")
-        if self.block_size > self.budget:
+        if self.block_size > budget:
             raise LycheeConfigError(f"LycheeConfig.block_size ({self.block_size}) is larger than the budget "
-                                    f"({self.budget}): not even one block fits. Lower block_size or raise budget.")
+                                    f"({budget}): not even one block fits. Lower block_size or raise budget.")
         if self.sink_tokens < 0 or self.local_tokens < 0:
             raise LycheeConfigError("LycheeConfig.sink_tokens and local_tokens must be >= 0, got "
                                     f"{self.sink_tokens} and {self.local_tokens}.")
-        if self.sink_tokens + self.local_tokens > self.budget:
+        if self.sink_tokens + self.local_tokens > budget:
             raise LycheeConfigError(
                 f"sink_tokens + local_tokens ({self.sink_tokens} + {self.local_tokens}) exceeds the budget "
-                f"({self.budget}): the always-attended tokens would cost more than the whole budget. "
+                f"({budget}): the always-attended tokens would cost more than the whole budget. "
                 "Lower them or raise the budget.")
         from .ops.policies import POLICIES
         if self.selection not in POLICIES:
@@ -131,6 +200,8 @@ class LycheeConfig:
             raise LycheeConfigError("LycheeConfig.first_layer_retrieval must be a bool.")
         if not isinstance(self.strict, bool):
             raise LycheeConfigError(f"LycheeConfig.strict must be a bool, got {self.strict!r}.")
+        if not isinstance(self.kernels, KernelOptions):
+            raise LycheeConfigError(f"LycheeConfig.kernels must be a KernelOptions, got {self.kernels!r}.")
         if self.backend not in ("inductor", "eager"):
             raise LycheeConfigError(f"LycheeConfig.backend must be 'inductor' or 'eager', got {self.backend!r}.")
 
@@ -174,9 +245,26 @@ class LycheeConfig:
         return QUEST_MODES[self.quest]
 
     @property
+    def resolved_budget(self) -> int:
+        """budget, or DEFAULT_BUDGET where it is None (lychee_compile resolves None from the head map first)."""
+        return DEFAULT_BUDGET if self.budget is None else self.budget
+
+    def with_budget_for(self, head_map) -> tuple["LycheeConfig", str]:
+        """This config with budget=None replaced by the head map's recommended budget (a calibrated map), else
+        DEFAULT_BUDGET; and where the budget came from, as a sentence for the log."""
+        if self.budget is not None:
+            return self, f"budget {self.budget} tokens (as configured)"
+        recommended = head_map.recommended_budget
+        if recommended is None:
+            return dataclasses.replace(self, budget=DEFAULT_BUDGET), f"budget {DEFAULT_BUDGET} tokens (the default)"
+        status = (head_map.calibration or {}).get("status", "?")
+        return (dataclasses.replace(self, budget=recommended),
+                f"budget {recommended} tokens (recommended by the head map's calibration, {status})")
+
+    @property
     def num_select(self) -> int:
         """Blocks a retrieval head selects: ceil(budget / block_size). The index-state width K."""
-        return -(-self.budget // self.block_size)
+        return -(-self.resolved_budget // self.block_size)
 
     def cache_key(self) -> str:
         blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()

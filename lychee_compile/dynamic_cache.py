@@ -1,4 +1,9 @@
-"""Decode steps on a cache that transformers does not compile (DynamicCache) run through the lychee backend too.
+"""Decode steps that transformers makes without its compiled call run through the lychee backend too.
+
+Two kinds, both recognised by the instance's forward (the outermost forward wrapper) as a call with one query token
+made outside Dynamo: on a static cache during beam search (which calls `model(...)` for every step: beam_search.py),
+the step goes through the model's own compiled call (model.get_compiled_call, the one generate() uses); on a
+DynamicCache, as follows.
 
 transformers' generate() compiles its decode step only for compileable caches (the static cache lychee_compile
 installs). With `past_key_values=DynamicCache()` or `cache_implementation="dynamic"` every step would call the
@@ -24,19 +29,33 @@ import torch
 
 from .cache_kwarg import cache_of
 from .errors import LycheeConfigError
+from .beam_search import BEAM_STEPS_ATTR
+from .rectify import REENCODING_ATTR
 
 log = logging.getLogger("lychee_compile")
 
 
-def _is_dynamic_decode(args, kwargs) -> bool:
-    """A decode step (one query token) on a DynamicCache, called outside Dynamo."""
+def _eager_decode_cache(args, kwargs):
+    """The cache of a decode step (one query token) called outside Dynamo, else None."""
     if torch.compiler.is_compiling():
-        return False
-    from transformers import DynamicCache
-    cache = cache_of(kwargs)
+        return None
     x = kwargs.get("input_ids", args[0] if args else None)
     x = kwargs.get("inputs_embeds") if x is None else x
-    return isinstance(cache, DynamicCache) and x is not None and x.shape[1] == 1
+    return cache_of(kwargs) if x is not None and x.shape[1] == 1 else None
+
+
+def _is_dynamic_decode(args, kwargs) -> bool:
+    """A decode step (one query token) on a DynamicCache, called outside Dynamo."""
+    from transformers import DynamicCache
+    return isinstance(_eager_decode_cache(args, kwargs), DynamicCache)
+
+
+def _is_beam_decode(model, args, kwargs) -> bool:
+    """A beam-search decode step (one query token) on a compileable cache, called outside Dynamo (not a
+    rectification re-encode, dense on purpose: rectify.py)."""
+    if not getattr(model, BEAM_STEPS_ATTR, False) or getattr(model, REENCODING_ATTR, False):
+        return False
+    return bool(getattr(_eager_decode_cache(args, kwargs), "is_compileable", False))
 
 
 def install_dynamic_cache(model, backend, config, before_decode=None) -> None:
@@ -57,6 +76,8 @@ def _route_decode_steps(model, backend, config, before_decode) -> None:
     # wraps: generate() reads forward's signature to decide which inputs to pass (position_ids, logits_to_keep).
     @functools.wraps(inner)
     def forward(*args, **kwargs):
+        if _is_beam_decode(model, args, kwargs):
+            return model.get_compiled_call(model.generation_config.compile_config)(*args, **kwargs)
         if not _is_dynamic_decode(args, kwargs):
             return inner(*args, **kwargs)
         if config.rectify_every:

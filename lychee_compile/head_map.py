@@ -81,6 +81,19 @@ class HeadMap:
     def shape(self) -> tuple[int, int]:
         return tuple(self.retrieval.shape)
 
+    @property
+    def recommended_budget(self) -> int | None:
+        """The budget (tokens) `lychee calibrate` recommends for this map, from its metadata; None if uncalibrated.
+        Whether it was certified: `calibration["status"]`."""
+        value = self.metadata.get("recommended_budget")
+        return None if value is None else int(value)
+
+    @property
+    def calibration(self) -> dict | None:
+        """The calibration record (lychee_compile/calibrate/record.py) `lychee calibrate` wrote, or None."""
+        value = self.metadata.get("calibration")
+        return None if value is None else json.loads(value)
+
     def digest(self) -> str:
         h = hashlib.sha256((self.retrieval.to(torch.uint8) + 2 * self.streaming.to(torch.uint8)).numpy().tobytes())
         h.update(json.dumps(list(self.shape)).encode())

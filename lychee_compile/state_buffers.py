@@ -9,7 +9,9 @@ Quest descriptors (`_lychee_quest`, Quest bounds on; layout in ops/quest.py) are
 buffer is created by the first eager forward that carries a cache (generate()'s prefill), not at install. After
 every eager forward with a cache (a prefill; a rectification's dense re-encode, rectify.py) the wrapped forward
 rebuilds every block's descriptor from that cache's global layers under the forward's padding mask; the compiled
-decode steps then keep them current themselves (quest_decode_step). A compiled decode step called on a
+decode steps then keep them current themselves (quest_decode_step). A prefill chunk run through the compiled call
+(chunked prefill) is followed by the same rebuild, and finds the heat buffer sized for its batch beforehand (a new
+buffer cannot be made inside the graph). A compiled decode step called on a
 cache object other than the one they were built from (a cache this model did not prefill: the eval harness
 prefills on the base model and scores copies) rebuilds them from that cache first, outside the graph
 (QuestDescriptors.before_decode, run by the wrapped compiled call). Changes to a cache made without this model's
@@ -43,20 +45,41 @@ def install_state(model, config, kinds: torch.Tensor, global_layers: list[int]):
         _register(model, HEAT_ATTR, torch.zeros(1, *kinds.shape, _heat_blocks(model, config), device=model.device))
     quest = QuestDescriptors(model, config, list(global_layers)) if config.quest != "off" else None
     _wrap_forward(model, quest)
-    if quest is None:
+    if quest is None and config.heat_blocks == 0:
         return None
     inner = model.get_compiled_call
 
     def get_compiled_call(compile_config):     # generate()'s decode steps (and the eval harness's) go through it
         compiled = inner(compile_config)
 
-        def decode_step(*args, **kwargs):
-            quest.before_decode(kwargs)
-            return compiled(*args, **kwargs)
-        return decode_step
+        def compiled_step(*args, **kwargs):
+            chunk = _query_length(args, kwargs) > 1     # a prefill chunk (generate(prefill_chunk_size=...))
+            heat = getattr(model, HEAT_ATTR, None)
+            if chunk and heat is not None and heat.shape[0] != _batch(args, kwargs):
+                _reset_heat(model, heat, _batch(args, kwargs), prefill=True)    # a new buffer: outside the graph
+            if quest is not None:
+                quest.before_decode(kwargs)
+            out = compiled(*args, **kwargs)
+            if chunk and quest is not None:             # as after an eager prefill: every block from the cache
+                quest.rebuild(cache_of(kwargs), kwargs.get("attention_mask"))
+            return out
+        return compiled_step
 
     model.get_compiled_call = get_compiled_call
-    return quest.before_decode
+    return quest.before_decode if quest is not None else None
+
+
+def _tokens(args, kwargs) -> torch.Tensor:
+    x = kwargs.get("input_ids", args[0] if args else None)
+    return kwargs.get("inputs_embeds") if x is None else x
+
+
+def _query_length(args, kwargs) -> int:
+    return int(_tokens(args, kwargs).shape[1])
+
+
+def _batch(args, kwargs) -> int:
+    return int(_tokens(args, kwargs).shape[0])
 
 
 def write_kinds(model, kinds: torch.Tensor) -> None:
@@ -87,8 +110,7 @@ def _wrap_forward(model, keeper) -> None:
 
     @functools.wraps(inner)     # generate() reads forward's signature to decide what to pass (position_ids, ...)
     def forward(*args, **kwargs):
-        x = kwargs.get("input_ids", args[0] if args else None)
-        x = kwargs.get("inputs_embeds") if x is None else x
+        x = _tokens(args, kwargs)
         heat = getattr(model, HEAT_ATTR, None)
         if heat is not None:
             # a prefill: any eager forward (generate() compiles only decode steps; a prompt may be one token) or a

@@ -1,4 +1,4 @@
-"""compat.combo_step_ends: for our compiles only, two groups of small kernels are taken from Inductor's scheduler and
+"""combo_groups (placed by inductor_changes in Inductor's grouping): for our compiles only, two groups of small kernels are taken from Inductor's scheduler and
 each run as one combo kernel -- the input reads (kernels that depend on no other: each layer's head kinds cast from
 the head-kinds state) and the tail writes (write-backs of mutated graph inputs that nothing reads: a static cache's
 per-layer length counters). CPU: which nodes are found, on Inductor's real scheduler (Inductor's combo grouping
@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lychee_compile.lowering import compat
+from lychee_compile import KernelOptions
+from lychee_compile.lowering import combo_groups, compat, inductor_changes
+from lychee_compile.lowering.inductor_changes import Scope
 
 
 def _counters_step(x, c0, c1, c2, w, kinds):
@@ -26,14 +28,17 @@ def _counters_step(x, c0, c1, c2, w, kinds):
     return (y.sum() + w.sum(),) + tuple((kinds[i] != 0).to(torch.int8) for i in range(3))
 
 
-def _scheduled(fn, args, on_scheduler):
-    """Compile fn with Inductor (combo kernels on) and call on_scheduler(scheduler) at its combo grouping; then
-    group nothing (CPU code generation has no combo kernels)."""
+def _scheduled(fn, args, on_scheduler, grouped: dict | None = None):
+    """Compile fn with Inductor (combo kernels on) and call on_scheduler(scheduler) at its combo grouping, and
+    record in grouped["groups"] the groups that the grouping in place made; then group nothing (CPU code generation
+    has no combo kernels)."""
     from torch._inductor.scheduler import ForeachKernelSchedulerNode
     original = ForeachKernelSchedulerNode.group_algorithm_for_combo_kernels
 
     def spy(scheduler):
         on_scheduler(scheduler)
+        if grouped is not None:
+            grouped["groups"] = [[n.get_name() for n in g] for g in original(scheduler)]
         return []
 
     torch._dynamo.reset()
@@ -48,7 +53,7 @@ def _scheduled(fn, args, on_scheduler):
 
 def _args():
     # x above INPUT_READ_MAX_NUMEL: its kernels read inputs only too, but are not small
-    return (torch.randn(compat.INPUT_READ_MAX_NUMEL + 64), torch.tensor(3), torch.tensor(5), torch.tensor(7),
+    return (torch.randn(combo_groups.INPUT_READ_MAX_NUMEL + 64), torch.tensor(3), torch.tensor(5), torch.tensor(7),
             torch.randn(64), torch.randint(0, 2, (3, 8)))
 
 
@@ -57,7 +62,7 @@ def test_tail_writes_are_the_counter_write_backs_only():
 
     def look(scheduler):
         found.append([tuple(sorted(m for buf in n.get_outputs() for m in buf.node.get_mutation_names()))
-                      for n in compat.tail_writes(scheduler.nodes)])
+                      for n in combo_groups.tail_writes(scheduler.nodes)])
 
     args = _args()
     expect = _counters_step(*[a.clone() for a in args])
@@ -75,7 +80,7 @@ def test_tail_writes_are_the_counter_write_backs_only():
 def test_input_reads_are_the_small_kernels_that_depend_on_no_other():
     found = []
     _scheduled(_counters_step, _args(), lambda scheduler: found.append(
-        [sorted(r.name for r in n.read_writes.reads) for n in compat.input_reads(scheduler.nodes)]))
+        [sorted(r.name for r in n.read_writes.reads) for n in combo_groups.input_reads(scheduler.nodes)]))
     assert len(found) == 1
     # one cast of `kinds` per "layer"; the kernels over x (too large) and the counters' write-backs (ordered after
     # their readers) are not input reads
@@ -83,59 +88,60 @@ def test_input_reads_are_the_small_kernels_that_depend_on_no_other():
     assert len({reads[0] for reads in found[0]}) == 1
 
 
-def _groups(knobs: dict, monkeypatch, ours: bool = True) -> dict:
+def _groups(options: KernelOptions, monkeypatch, ours: bool = True) -> dict:
     groups = {}
-    monkeypatch.setattr(compat, "_gpu_node", lambda node: True)    # CPU nodes stand in for GPU ones
-    for key, value in knobs.items():
-        monkeypatch.setenv(key, value)
-    compat.combo_step_ends()
+    monkeypatch.setattr(combo_groups, "_gpu_node", lambda node: True)    # CPU nodes stand in for GPU ones
+    inductor = compat.ForeachKernelSchedulerNode.group_algorithm_for_combo_kernels
 
     def on(scheduler):
-        groups["groups"] = [[n.get_name() for n in g] for g in compat._our_combo_groups(scheduler)]
-        groups["head"] = [n.get_name() for n in compat.input_reads(scheduler.nodes)]
-        groups["tail"] = [n.get_name() for n in compat.tail_writes(scheduler.nodes)]
-        groups["inductor"] = [[n.get_name() for n in g] for g in compat._INDUCTOR_COMBO_GROUPS["algorithm"](scheduler)]
+        groups["head"] = [n.get_name() for n in combo_groups.input_reads(scheduler.nodes)]
+        groups["tail"] = [n.get_name() for n in combo_groups.tail_writes(scheduler.nodes)]
+        groups["inductor"] = [[n.get_name() for n in g] for g in inductor(scheduler)]
 
-    if ours:
-        compat._OURS_COMPILING.append(True)
-    try:
-        _scheduled(_counters_step, _args(), on)
-    finally:
-        if ours:
-            compat._OURS_COMPILING.pop()
+    with inductor_changes.compiling(Scope(options=options)) if ours else _nothing():
+        _scheduled(_counters_step, _args(), on, groups)
     return groups
 
 
+def _nothing():
+    import contextlib
+    return contextlib.nullcontext()
+
+
 def test_our_compiles_group_the_step_ends(monkeypatch):
-    g = _groups({}, monkeypatch)
+    g = _groups(KernelOptions(), monkeypatch)
     assert len(g["head"]) == 3 and len(g["tail"]) == 4
     assert g["groups"][-2:] == [g["head"], g["tail"]]
     assert not any(set(x) & set(g["head"] + g["tail"]) for x in g["groups"][:-2])
 
 
-@pytest.mark.parametrize("knobs,kept", [({"LYCHEE_COMBO_HEAD": "0"}, "tail"), ({"LYCHEE_COMBO_TAIL": "0"}, "head"),
-                                        ({"LYCHEE_COMBO_HEAD": "0", "LYCHEE_COMBO_TAIL": "0"}, None)])
-def test_knobs_turn_each_group_off(knobs, kept, monkeypatch):
-    g = _groups(knobs, monkeypatch)
+@pytest.mark.parametrize("options,kept", [(KernelOptions(combo_input_reads=False), "tail"),
+                                          (KernelOptions(combo_tail_writes=False), "head"),
+                                          (KernelOptions(combo_input_reads=False, combo_tail_writes=False), None)],
+                         ids=["no-input-reads", "no-tail-writes", "neither"])
+def test_options_turn_each_group_off(options, kept, monkeypatch):
+    g = _groups(options, monkeypatch)
     assert g["groups"] == g["inductor"] + ([g[kept]] if kept else [])
-    assert compat.combo_knobs() != ""
 
 
 def test_other_compiles_keep_inductors_groups(monkeypatch):
-    g = _groups({}, monkeypatch, ours=False)
+    g = _groups(KernelOptions(), monkeypatch, ours=False)
     assert g["groups"] == g["inductor"] and g["head"] not in g["groups"] and g["tail"] not in g["groups"]
 
 
-def test_grouping_is_installed_once_and_only_with_combo_kernels():
-    from torch._inductor.scheduler import ForeachKernelSchedulerNode
-    compat.combo_step_ends()
-    compat.combo_step_ends()
-    assert ForeachKernelSchedulerNode.group_algorithm_for_combo_kernels is compat._our_combo_groups
-    assert compat._INDUCTOR_COMBO_GROUPS["algorithm"] is not compat._our_combo_groups
-    assert "combo_kernels" in compat.inductor_patches(on_cuda=True, cuda_graphs=False, env={})
-    assert "combo_kernels" not in compat.inductor_patches(on_cuda=True, cuda_graphs=False,
-                                                          env={"LYCHEE_COMBO_KERNELS": "0"})
-    assert "combo_kernels" not in compat.inductor_patches(on_cuda=False, cuda_graphs=False, env={})
+def test_grouping_is_ours_only_inside_our_compiles_and_only_with_combo_kernels():
+    from lychee_compile import LycheeConfig
+    from lychee_compile.lowering.compile import inductor_patches
+    F = compat.ForeachKernelSchedulerNode
+    inductor = F.__dict__["group_algorithm_for_combo_kernels"]
+    with inductor_changes.compiling(Scope()):
+        with inductor_changes.compiling(Scope()):
+            assert F.group_algorithm_for_combo_kernels is inductor_changes._combo_groups
+        assert F.group_algorithm_for_combo_kernels is inductor_changes._combo_groups
+    assert F.__dict__["group_algorithm_for_combo_kernels"] is inductor
+    assert "combo_kernels" in inductor_patches(True, LycheeConfig())
+    assert "combo_kernels" not in inductor_patches(True, LycheeConfig(kernels=KernelOptions(combo_kernels=False)))
+    assert "combo_kernels" not in inductor_patches(False, LycheeConfig())
 
 
 @pytest.mark.parametrize("n", [0, 1])
@@ -147,18 +153,14 @@ def test_fewer_than_two_tail_writes_leave_inductors_groups(n, monkeypatch):
             c.add_(1)
         return y
     seen = {}
-    monkeypatch.setattr(compat, "_gpu_node", lambda node: True)
-    compat.combo_step_ends()
+    monkeypatch.setattr(combo_groups, "_gpu_node", lambda node: True)
+    inductor = compat.ForeachKernelSchedulerNode.group_algorithm_for_combo_kernels
 
     def on(scheduler):
-        seen["ours"] = compat._our_combo_groups(scheduler)
-        seen["inductor"] = compat._INDUCTOR_COMBO_GROUPS["algorithm"](scheduler)
-    compat._OURS_COMPILING.append(True)
-    try:
-        _scheduled(step, (torch.randn(8),) + tuple(torch.tensor(i + 2) for i in range(n)), on)
-    finally:
-        compat._OURS_COMPILING.pop()
-    assert seen["ours"] == seen["inductor"]
+        seen["inductor"] = [[x.get_name() for x in g] for g in inductor(scheduler)]
+    with inductor_changes.compiling(Scope()):
+        _scheduled(step, (torch.randn(8),) + tuple(torch.tensor(i + 2) for i in range(n)), on, seen)
+    assert seen["groups"] == seen["inductor"]
 
 
 @pytest.mark.gpu
@@ -176,22 +178,21 @@ def test_decode_step_ends_run_as_one_combo_kernel_each_gpu(monkeypatch):
     cfg = dict(budget=32, block_size=16, sink_tokens=16, local_tokens=16)
     ids, mask = (x.cuda() for x in make_batch(lengths=(90, 71)))
 
-    def run():
+    def run(options=KernelOptions()):
         torch._dynamo.reset()
         model = make("llama", "sdpa").to("cuda", torch.bfloat16)
-        lychee_compile(model, HeadMap(mixed_map(model)).with_model_metadata(model), LycheeConfig(**cfg))
+        lychee_compile(model, HeadMap(mixed_map(model)).with_model_metadata(model),
+                       LycheeConfig(kernels=options, **cfg))
         return model, generate_logits(model, ids, mask, 12)
 
-    monkeypatch.setenv("LYCHEE_COMBO_KERNELS", "0")
-    _, (plain_seq, plain_logits) = run()
-    monkeypatch.setenv("LYCHEE_COMBO_KERNELS", "1")
+    _, (plain_seq, plain_logits) = run(KernelOptions(combo_kernels=False))
     seen = []
     original = Scheduler.create_combo_kernel_nodes
 
     def spy(self, *a, **kw):
-        ends = (compat.input_reads(self.nodes), compat.tail_writes(self.nodes))
+        ends = (combo_groups.input_reads(self.nodes), combo_groups.tail_writes(self.nodes))
         original(self, *a, **kw)
-        if compat._OURS_COMPILING:
+        if inductor_changes.active() is not None:
             seen.append([(len(g), {id(self.name_to_fused_node[n.get_nodes()[0].get_name()]) for n in g})
                          for g in ends])
     monkeypatch.setattr(Scheduler, "create_combo_kernel_nodes", spy)
@@ -203,20 +204,3 @@ def test_decode_step_ends_run_as_one_combo_kernel_each_gpu(monkeypatch):
     assert all(len(fused) == 1 for ends in decode for _, fused in ends), decode
     assert torch.equal(seq, plain_seq)
     assert (logits.float() - plain_logits.float()).abs().max() < 5e-2
-
-
-def test_the_grouping_knobs_are_part_of_the_fx_cache_key(monkeypatch):
-    # LYCHEE_COMBO_HEAD / _TAIL=0 and LYCHEE_PDL_TEMPLATES=0 change the generated code after the FX graph cache's
-    # key is taken: CodegenKey covers them (compat.codegen_knobs, the one reading of them)
-    knobs = ("LYCHEE_COMBO_HEAD", "LYCHEE_COMBO_TAIL", "LYCHEE_PDL_TEMPLATES")
-    for key in knobs:
-        monkeypatch.delenv(key, raising=False)
-    on = compat.CODEGEN_KEY.uuid()
-    keys = {on}
-    for key in knobs:
-        monkeypatch.setenv(key, "0")
-        keys.add(compat.CODEGEN_KEY.uuid())
-    assert len(keys) == 4 and "no-pdl-templates" in compat.codegen_knobs()
-    for key in knobs:
-        monkeypatch.setenv(key, "1")
-    assert compat.CODEGEN_KEY.uuid() == on and compat.codegen_knobs() == ""

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from lychee_compile import HeadMap, LycheeConfig, LycheeConfigError, lychee_compile, set_head_map
+from lychee_compile import HeadMap, KernelOptions, LycheeConfig, LycheeConfigError, lychee_compile, set_head_map
 from lychee_compile.api import state_of
 from tests.harness import generate_logits
 from tests.models import make, make_batch
@@ -25,9 +25,10 @@ def test_cuda_graphs_need_a_cuda_model():
     assert not hasattr(model, "_lychee_state")
 
 
-def _cuda_model(retrieval, cuda_graphs):
+def _cuda_model(retrieval, cuda_graphs, kernels=KernelOptions()):
     model = make("llama", "sdpa").to("cuda", torch.bfloat16)
-    lychee_compile(model, HeadMap(retrieval).with_model_metadata(model), LycheeConfig(cuda_graphs=cuda_graphs, **CFG))
+    lychee_compile(model, HeadMap(retrieval).with_model_metadata(model),
+                   LycheeConfig(cuda_graphs=cuda_graphs, kernels=kernels, **CFG))
     return model
 
 
@@ -59,18 +60,16 @@ PDL_KERNEL = re.compile(r"async_compile\.triton\('(\w+)', '''(.*?)'''", re.S)
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs CUDA compute capability 9+ (programmatic dependent launch)")
 def test_pdl_kernels_all_wait_and_change_no_token_gpu(monkeypatch):
-    # PDL is on by default on sm_90+ (compat.compile_fx): every part of every kernel of the step launched with it
-    # calls griddepcontrol.wait (compat.pdl_always_waits, our templates' own), and launches its dependents only
+    # PDL is on by default on sm_90+ (lowering/compile.py): every part of every kernel of the step launched with it
+    # calls griddepcontrol.wait (inductor_changes._pdl_waits, our templates' own), and launches its dependents only
     # after it; the tokens are those of the same model compiled without PDL, and two runs of one compiled model
     # give bit-identical logits (a race between overlapping kernels would show as a difference)
     from torch._inductor import config as icfg
     from torch._inductor.utils import run_and_get_code
     ids, mask = (x.cuda() for x in make_batch(lengths=(90, 71)))
     mixed = mixed_map(make("llama", "sdpa"))
-    monkeypatch.setenv("LYCHEE_PDL", "0")
     torch._dynamo.reset()
-    plain_seq, plain_logits = generate_logits(_cuda_model(mixed, True), ids, mask, 24)
-    monkeypatch.setenv("LYCHEE_PDL", "1")
+    plain_seq, plain_logits = generate_logits(_cuda_model(mixed, True, KernelOptions(pdl=False)), ids, mask, 24)
     torch._dynamo.reset()
     model = _cuda_model(mixed, True)
     with icfg.patch(fx_graph_cache=False):       # the code must be generated here to be read
@@ -84,7 +83,7 @@ def test_pdl_kernels_all_wait_and_change_no_token_gpu(monkeypatch):
         assert waits_before_release(body), (name, [x for x in body.splitlines() if "pid" in x or "gdc_" in x])
     ours = [(name, src) for code in codes for name, src in PDL_KERNEL.findall(code) if name.startswith("triton_tem")
             and "hybrid_decode" in name]
-    # our templates launch with PDL too (compat.pdl_templates), each waiting before its first access
+    # our templates launch with PDL too (compile.pdl_templates), each waiting before its first access
     assert ours and all("'launch_pdl': True" in src for _, src in ours), [n for n, _ in ours]
     for name, src in ours:
         body = src.split("):\n", 1)[1]

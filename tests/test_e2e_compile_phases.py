@@ -7,28 +7,22 @@ from tests.models import make_batch
 
 
 def test_compile_phases_times_our_passes_and_restores_what_it_wraps():
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
     import lychee_compile.backend as backend
+    from lychee_compile.lowering import inductor_changes
     e2e = import_benchmarks("e2e")[0]
-    run_passes = backend.run_passes
+    run_passes, tune, bench = backend.run_passes, inductor_changes._tune, inductor_changes._bench
     ids, mask = make_batch(lengths=(9,))
     model, state = compiled("llama", "sdpa", budget=8, block_size=4, sink_tokens=4, local_tokens=4)
     torch._dynamo.reset()
-    from lychee_compile.lowering import compat
-    compat.install_tuning_filter()      # as CompilePhases does first: the library's wrappers are in place before
-    bench = CachingAutotuner.bench
     with e2e.CompilePhases() as phases:
-        wrapped = CachingAutotuner.coordinate_descent_tuning
-        assert CachingAutotuner.bench is not bench          # every timed variant is recorded
+        # the library's tuning entry points are wrapped: every tuned kernel and timed variant is recorded
+        assert inductor_changes._tune is not tune and inductor_changes._bench is not bench
         generate_logits(model, ids, mask, steps=2)
     res = phases.result
     assert state.counters.decode_graphs == 1
     assert res["lychee_passes_s"] > 0                      # the pipeline ran inside, and was timed
     assert res["dynamo_timed_s"] and all(v >= 0 for v in res["dynamo_timed_s"].values())
     assert res["coordesc_configs_timed"] == 0 and res["tuning_by_kind"] == {} and res["tuned_kernels"] == []
-    # both wrappers are gone afterwards: the pass pipeline is the library's own again, and the tuning entry point
-    # is what it was before (the library's reductions-only filter, installed first, stays)
+    # every wrapper is gone afterwards
     assert backend.run_passes is run_passes
-    assert wrapped is not CachingAutotuner.coordinate_descent_tuning
-    assert CachingAutotuner.coordinate_descent_tuning is compat._coordesc_reductions_only
-    assert CachingAutotuner.bench is bench is compat._bench_alone_for_ours
+    assert inductor_changes._tune is tune and inductor_changes._bench is bench

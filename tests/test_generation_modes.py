@@ -1,5 +1,6 @@
 """generate() modes (lychee_compile/generation_modes.py): sampling, num_return_sequences and stopping criteria run
-the rewritten decode step and, with every head a retrieval head, give dense's tokens; modes that would decode
+the rewritten decode step and, with every head a retrieval head, give dense's tokens (beam search:
+tests/test_beam_search.py); modes that would decode
 densely are refused by name before any forward (strict), or logged and counted as dense calls (not strict)."""
 from __future__ import annotations
 
@@ -54,9 +55,8 @@ def test_supported_modes_run_the_rewrite_and_equal_dense(mode):
     assert max_logit_diff(torch.stack(out.logits), torch.stack(ref.logits)) < EXACT_TOL
 
 
-REFUSED = {"beam_search": dict(num_beams=2), "contrastive_search": dict(penalty_alpha=0.6, top_k=4),
-           "dola_generation": dict(dola_layers="low"), "assisted_generation": dict(prompt_lookup_num_tokens=2),
-           "chunked prefill": dict(prefill_chunk_size=4)}
+REFUSED = {"contrastive_search": dict(penalty_alpha=0.6, top_k=4),
+           "dola_generation": dict(dola_layers="low"), "assisted_generation": dict(prompt_lookup_num_tokens=2)}
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -69,24 +69,29 @@ def test_dense_modes_are_refused_before_any_forward(name):
     assert forwards == [] and state_of(model).counters.decode_calls == 0
 
 
-def test_not_strict_logs_and_counts_a_dense_beam_search(caplog):
+def test_a_generate_that_ran_dense_raises_after_or_is_logged_and_counted(caplog):
+    # disable_compile: transformers' loop calls the model eagerly, dense; nothing is refused up front, the count
+    # catches it after
+    model, dense = _pair()
+    with pytest.raises(LycheeCompileError, match="without the lychee decode step"):
+        _generate(model, disable_compile=True)
     model, dense = _pair(strict=False)
     with caplog.at_level("WARNING", logger="lychee_compile"):
-        out = _generate(model, num_beams=2)
-    assert "beam_search" in caplog.text
+        out = _generate(model, disable_compile=True)
+    assert "without the lychee decode step" in caplog.text
     counters = state_of(model).counters
     assert counters.generate_calls_dense == 1 and counters.decode_calls == 0
-    assert torch.equal(out.sequences, _generate(dense, num_beams=2).sequences)
+    assert torch.equal(out.sequences, _generate(dense, disable_compile=True).sequences)
 
 
 def test_a_dense_mode_from_the_models_defaults_is_refused_under_a_passed_config():
-    # generate() fills a passed generation config's unset fields from the model's (a hub default num_beams=4)
+    # generate() fills a passed generation config's unset fields from the model's (a default set on the model)
     from transformers import GenerationConfig
     model, _ = _pair()
-    model.generation_config.num_beams = 4
+    model.generation_config.prompt_lookup_num_tokens = 2
     ids, mask = make_batch(lengths=(14, 9))
     for passed in (GenerationConfig(max_new_tokens=3), None):
-        with pytest.raises(LycheeCompileError, match="beam_search"):
+        with pytest.raises(LycheeCompileError, match="assisted_generation"):
             if passed is None:
                 model.generate(ids, attention_mask=mask, max_new_tokens=3)
             else:

@@ -36,7 +36,7 @@ def test_quest_matches_semantics(mode, extra):
     model, state = compiled("llama", "sdpa", retrieval=retrieval, quest=mode, quest_blocks=extra,
                             first_layer_retrieval=first, **cfg)
     seq, logits = generate_logits(model, ids, mask, 5)
-    assert state.counters.sites_rewritten == 3 and f"quest={1 if mode == 'all' else 2}" in state.snapshots[0]
+    assert state.counters.sites_rewritten == 3 and f"quest_mode={1 if mode == 'all' else 2}" in state.snapshots[0]
 
     reference = make("llama")
     sem = semantics_ref.QuestSemantics(retrieval, [0, 1, 2], quest=mode, quest_blocks=extra,

@@ -86,7 +86,7 @@ def test_state_follows_prefill_decode_and_new_sequences(mode):
         if lengths == (26, 17):
             assert state.counters.decode_graphs == 1, "a generate() of the same shapes recompiled the decode step"
     snap = state.snapshots[0]
-    assert snap.count("quest_decode_step") == 3 and "state=state.quest slot=2" in snap
+    assert snap.count("quest_decode_step") == 3 and "desc=state.quest slot=2" in snap
     assert "write_state" not in snap, "Quest descriptors are written in place by their ops, not stacked back"
 
 

@@ -12,6 +12,7 @@ of the haystack, 1 = end). The prompt is wrapped in the tokenizer's chat templat
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import re
 import time
@@ -27,9 +28,13 @@ HAYSTACKS = {"persuasion": "persuasion.txt"}
 
 @lru_cache(maxsize=None)
 def load_haystack_text(name: str = "persuasion") -> str:
-    """The packaged public-domain text `name` (see HAYSTACKS), as one string."""
+    """The packaged public-domain text `name` (see HAYSTACKS), or the UTF-8 text file at path `name`, as one
+    string."""
     if name not in HAYSTACKS:
-        raise ValueError(f"unknown haystack {name!r}; available: {sorted(HAYSTACKS)}")
+        if os.path.isfile(name):      # a user's own text (lychee calibrate --text FILE)
+            with open(name, encoding="utf-8") as f:
+                return f.read()
+        raise ValueError(f"unknown haystack {name!r}: neither a packaged text ({sorted(HAYSTACKS)}) nor a file")
     return resources.files("lychee_compile").joinpath("data", HAYSTACKS[name]).read_text(encoding="utf-8")
 
 

@@ -16,15 +16,19 @@ import time
 
 from . import stats
 from .methods import MethodSpec
-from .scoring import Variant, configure_dynamo, dense_prefill
+from .scoring import Variant, dense_prefill, dynamo_limits
 
 
 def run_eval(model, tokenizer, items, specs: list[MethodSpec], progress: bool = True, log=None,
              task: str = "?", on_item=None) -> dict:
     """`on_item(partial_results)` is called after every prompt (the CLI writes partial outputs there)."""
+    with dynamo_limits():
+        return _run_eval(model, tokenizer, items, specs, progress, log, task, on_item)
+
+
+def _run_eval(model, tokenizer, items, specs, progress, log, task, on_item) -> dict:
     from tqdm.auto import tqdm
 
-    configure_dynamo()
     variants = [Variant.build(model, spec) for spec in specs]
     records = []
     started = time.perf_counter()

@@ -23,14 +23,15 @@ from .methods import MethodSpec
 from ..errors import DenseFallback, SparsityNotMeasured
 
 
-def configure_dynamo(recompile_limit: int = 256) -> None:
-    """Each variant compiles a decode call of its own (api._own_compiled_call), so variants no longer add up against
-    one code object's recompile limit; the limits stay raised and hitting one is made an error instead of a silent
+def dynamo_limits(recompile_limit: int = 256):
+    """A context (Dynamo's own config.patch, restored on leaving) for an evaluation: each variant compiles a decode
+    call of its own (api._own_compiled_call), so variants do not add up against one code object's recompile limit;
+    the limits are raised for the many contexts of a run and hitting one is made an error instead of a silent
     fallback to eager (dense) execution."""
     import torch._dynamo.config as dc
-    dc.recompile_limit = max(dc.recompile_limit, recompile_limit)
-    dc.accumulated_recompile_limit = max(dc.accumulated_recompile_limit, 4 * recompile_limit)
-    dc.fail_on_recompile_limit_hit = True
+    return dc.patch(recompile_limit=max(dc.recompile_limit, recompile_limit),
+                    accumulated_recompile_limit=max(dc.accumulated_recompile_limit, 4 * recompile_limit),
+                    fail_on_recompile_limit_hit=True)
 
 
 @dataclasses.dataclass

@@ -56,14 +56,16 @@ def with_prefix(tokenizer, ids: list[int]) -> list[int]:
 
 
 def passkey_items(tokenizer, lengths=(2048,), depths=DEPTHS, trials: int = 1, seed: int = 0,
-                  chat_template: bool = True) -> list[Item]:
-    """`chat_template=False`: raw prompts even if the tokenizer has a template (a base model)."""
+                  chat_template: bool = True, haystack: str = "persuasion") -> list[Item]:
+    """`chat_template=False`: raw prompts even if the tokenizer has a template (a base model). `haystack`: a packaged
+    text or a text file (eval/passkey.load_haystack_text)."""
     items = []
     for length in lengths:
         for trial in range(trials):
             for di, depth in enumerate(depths):
                 item_seed = 1 + seed * 1000 + trial * len(depths) + di
-                p = build_passkey_prompt(tokenizer, length, depth=depth, seed=item_seed, chat_template=chat_template)
+                p = build_passkey_prompt(tokenizer, length, depth=depth, seed=item_seed, chat_template=chat_template,
+                                         haystack=haystack)
                 text = p.text if p.text.endswith(ANSWER_PREFIX) else p.text + ANSWER_PREFIX  # no chat template: there
                 plain = tokenizer(text, add_special_tokens=False).input_ids
                 ids = with_prefix(tokenizer, plain)

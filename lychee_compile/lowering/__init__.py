@@ -11,7 +11,7 @@ keeps the eager reference as an extern kernel. `unregister()` restores the defau
 """
 from __future__ import annotations
 
-_state = {"registered": False, "previous": {}}
+_registration = {"registered": False, "previous": {}}
 
 
 def _ops():
@@ -25,21 +25,21 @@ def register() -> None:
     if is_registered():
         return
     for op, lowering in _ops().items():
-        _state["previous"][op] = compat.lowerings.get(op)
+        _registration["previous"][op] = compat.lowerings.get(op)
         compat.register_lowering(op, type_promotion_kind=None)(lowering)
         compat.lowerings[op]._lychee_hybrid_decode = True   # register_lowering stores a wrapper: mark it
-    _state["registered"] = True
+    _registration["registered"] = True
 
 
 def unregister() -> None:
     from . import compat
-    for op, prev in _state["previous"].items():
+    for op, prev in _registration["previous"].items():
         if prev is None:
             compat.lowerings.pop(op, None)
         else:
             compat.lowerings[op] = prev
-    _state["previous"] = {}
-    _state["registered"] = False
+    _registration["previous"] = {}
+    _registration["registered"] = False
 
 
 def is_registered() -> bool:

@@ -33,7 +33,7 @@ Preconditions (documented, not checked on the device): each row's valid position
 (left padding: [pad_b, pos+1)); idx_in rows hold distinct blocks (the index-state invariant).
 
 The files' texts are joined with fixed separators below, so the kernels' text does not depend on blank lines at the
-files' ends (tests/test_kernel_text.py pins it). compat.codegen_digest hashes the kernels/ files too: a changed
+files' ends (tests/test_kernel_text.py pins it). codegen_key.codegen_digest hashes the kernels/ files too: a changed
 kernel is never served from Inductor's cache.
 """
 from __future__ import annotations

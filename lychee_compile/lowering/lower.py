@@ -8,11 +8,11 @@ compiled kernel pair serves every layer and head map.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..ops.op_arguments import arg_names, bind
 from . import compat
+from .compile import pdl_templates, sparse_tile
 from .constexprs import combine_num_warps, interpreting, kernel_params
 from .kernel_source import COMBINE_MASS_SOURCE, COMBINE_SOURCE, SPLIT_MASS_SOURCE, SPLIT_SOURCE
 
@@ -33,20 +33,6 @@ def _combine_grid(b, t, meta, *, cdiv):
 
 
 _TEMPLATES = {}
-
-
-def sparse_tile(env=None) -> dict:
-    """Gathered (sparse-head) tile parameters of the split launch: tokens per tile, its loop's pipelining depth and
-    its weight in the work pool (template glossary: SBN, SPARSE_STAGES, SPARSE_COST). LYCHEE_SPARSE_TILE="bn,stages,
-    cost" overrides them (a benchmark knob, read at compile time; part of compat.CodegenKey's uuid)."""
-    spec = (os.environ if env is None else env).get("LYCHEE_SPARSE_TILE", "")
-    if not spec:
-        return {}     # kernel_params' defaults
-    try:
-        bn, stages, cost = (int(x) for x in spec.split(","))
-    except ValueError:
-        raise ValueError(f"LYCHEE_SPARSE_TILE={spec!r}: expected three integers 'bn,stages,cost', e.g. '128,2,4'")
-    return dict(sparse_bn=bn, sparse_stages=stages, sparse_cost=cost)
 
 
 def templates(mass: bool = False):
@@ -111,18 +97,14 @@ def _int32(value: int, device):
     return compat.lowerings[torch.ops.aten.scalar_tensor.default](value, dtype=torch.int32, device=device)
 
 
-def hybrid_decode_lowering(q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens,
-                           policy=0, policy_param=0.0, quest_mode=0, quest_blocks=0, select=None,
-                           defer_select=False):
+def hybrid_decode_lowering(*args, **kwargs):
     # The templates implement every selection policy (a constexpr of the combine kernel) but no Quest bounds;
     # Quest and unsupported inputs run the reference (extern), with all of the op's arguments (its idx_out is
     # then complete on return, deferred or not).
-    args = (q, k, v, valid, retrieval, idx_in, scale, block_size, sink_tokens, local_tokens, policy, policy_param,
-            quest_mode, quest_blocks, select, defer_select)
-    if quest_mode != 0 or _unsupported(q, k, idx_in):
-        return _fallback(OP, *args)
-    return _lower(q, k, v, valid, retrieval, idx_in, None, scale, block_size, sink_tokens, local_tokens, policy,
-                  policy_param, select, defer=bool(defer_select))
+    a = bind(OP, args, kwargs)           # name -> value, as the op's schema names them, defaults filled
+    if a["quest_mode"] != 0 or _unsupported(a["q"], a["k"], a["idx_in"]):
+        return _fallback(OP, *a.values())
+    return _lower(**_template_args(a), defer=bool(a["defer_select"]))
 
 
 def index_ready_lowering(idx, hold=()):
@@ -141,14 +123,16 @@ def index_ready_lowering(idx, hold=()):
     return _extern(INDEX_READY_OP, idx, list(entry or ()) + list(hold))
 
 
-def hybrid_decode_mass_lowering(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tokens,
-                                local_tokens, policy=0, policy_param=0.0, select=None):
-    args = (q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tokens, local_tokens, policy,
-            policy_param, select)
-    if _unsupported(q, k, idx_in):
-        return _fallback(MASS_OP, *args)
-    return _lower(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tokens, local_tokens, policy,
-                  policy_param, select)
+def hybrid_decode_mass_lowering(*args, **kwargs):
+    a = bind(MASS_OP, args, kwargs)
+    if _unsupported(a["q"], a["k"], a["idx_in"]):
+        return _fallback(MASS_OP, *a.values())
+    return _lower(**_template_args(a))
+
+
+def _template_args(a: dict) -> dict:
+    """What the templates take of a decode op's arguments, by name: the mass op's (hybrid_decode has no `extra`)."""
+    return {name: a.get(name) for name in arg_names(MASS_OP)}
 
 
 def _unsupported(q, k, idx_in) -> bool:
@@ -176,7 +160,7 @@ def _lower(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tok
                            nb_hint=nb_hint, policy=int(policy), policy_param=float(policy_param), mass=mass,
                            **sparse_tile(),
                            extra_width=compat.static_int(extra.get_size()[2]) if mass else 0, defer=defer)
-    pdl = compat.pdl_templates(device)       # both launches with programmatic dependent launch (template PDL)
+    pdl = pdl_templates(device)       # both launches with programmatic dependent launch (template PDL)
     sp, cp = dict(sp, DOT_UPCAST=interpreting(), PDL=int(pdl)), dict(cp, PDL=int(pdl))
     launch = dict(triton_meta={"launch_pdl": True}) if pdl else {}
     NB = compat.CeilDiv(T, int(block_size))

@@ -25,6 +25,9 @@ import torch
 from .reference import hybrid_decode_reference
 
 OP_NAME = "lychee::hybrid_decode"
+# Output positions (a schema names no outputs): every decode op returns (out, idx_out, ...); hybrid_decode_mass adds
+# mass, the heat composite its new heat slot, at SLOT_OUT.
+OUT, IDX_OUT, SLOT_OUT = 0, 1, 2
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())

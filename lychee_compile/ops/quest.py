@@ -28,7 +28,7 @@ State layout (one buffer per compiled model, the non-persistent buffer `_lychee_
 Maintenance (state_buffers.py, rectify.py): every eager forward that carries a cache (the prefill, and each
 rectification's dense re-encode) recomputes every block from the cache after it returns (+inf / -inf where a block
 has no valid key); a compiled decode step appends one key per row and recomputes that key's block only, in place in
-the state (fold_newest_key_: one block per row, layer and KV head written, nothing copied).
+the buffer (fold_newest_key_: one block per row, layer and KV head written, nothing copied).
 Invariant: every block holding a valid key describes exactly its valid keys. Blocks without a valid key are
 unspecified (normally +inf / -inf from the last rebuild, but a decode step on a cache whose mask lost positions --
 a cache reused from a longer sequence, say -- leaves the old values there); nothing reads them, because every
@@ -64,23 +64,23 @@ def block_descriptors(k: torch.Tensor, valid: torch.Tensor, block_size: int, num
     return torch.stack(block_min_max(k, valid, block_size, num_blocks), dim=3).to(descriptor_dtype(k.dtype))
 
 
-def fold_newest_key_(state: torch.Tensor, slot: int, k: torch.Tensor, valid: torch.Tensor, block_size: int) -> None:
-    """One decode step of one layer, IN PLACE: in state [B, Lg, H, NB, 2, D] (the previous step's), slot `slot`'s
+def fold_newest_key_(desc: torch.Tensor, slot: int, k: torch.Tensor, valid: torch.Tensor, block_size: int) -> None:
+    """One decode step of one layer, IN PLACE: in desc [B, Lg, H, NB, 2, D] (the whole descriptor buffer) (the previous step's), slot `slot`'s
     block of each row's newest valid key, (hi - 1) // block_size, is recomputed from k [B, H, T, D] (block_size
     keys); nothing else is written. A row with no valid key writes +inf / -inf into its block 0, which holds no valid
     key then (unspecified blocks: module docstring).
 
-    The write is one index_put_ on the state itself, not on a view of its slot: functionalized, an in-place write
+    The write is one index_put_ on the desc itself, not on a view of its slot: functionalized, an in-place write
     through a view of a graph input becomes view-scatters of the whole slot that Inductor's reinplace pass leaves
-    as copies (a slot copy per layer and a whole-state copy back per step); a write to the input itself is an
+    as copies (a slot copy per layer and a whole-desc copy back per step); a write to the input itself is an
     index_put chain ending in a copy_ into that input, which it turns back into an in-place scatter of these
     B * H * 2 * D values.
     """
     B, H, T, D = k.shape
     nb = -(-T // block_size)
-    if (state.dim() != 6 or state.shape[0] != B or not 0 <= slot < state.shape[1] or state.shape[2] != H
-            or state.shape[3] < nb or tuple(state.shape[4:]) != (2, D)):
-        raise ValueError(f"Quest descriptors of shape {tuple(state.shape)} (slot {slot}) do not fit keys "
+    if (desc.dim() != 6 or desc.shape[0] != B or not 0 <= slot < desc.shape[1] or desc.shape[2] != H
+            or desc.shape[3] < nb or tuple(desc.shape[4:]) != (2, D)):
+        raise ValueError(f"Quest descriptors of shape {tuple(desc.shape)} (slot {slot}) do not fit keys "
                          f"{tuple(k.shape)}: expected [{B}, Lg > {slot}, {H}, NB >= {nb}, 2, {D}] (NB blocks of "
                          f"{block_size} must cover the cache).")
     dev = k.device
@@ -96,7 +96,7 @@ def fold_newest_key_(state: torch.Tensor, slot: int, k: torch.Tensor, valid: tor
     fresh = torch.stack([torch.where(ok, keys, inf).amin(2), torch.where(ok, keys, -inf).amax(2)], 2)  # [B,H,2,D]
     where = (torch.arange(B, device=dev)[:, None], torch.full((1, 1), slot, dtype=torch.long, device=dev),
              torch.arange(H, device=dev)[None, :], blk[:, None])                   # each broadcasts to [B, H]
-    state.index_put_(where, fresh.to(state.dtype))
+    desc.index_put_(where, fresh.to(desc.dtype))
 
 
 def quest_bound(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:

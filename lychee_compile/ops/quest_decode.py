@@ -1,10 +1,10 @@
 """Quest decode step with incrementally kept descriptors: the composite `quest_decode_step` (what the rewrite emits)
 and the opaque op `torch.ops.lychee.hybrid_decode_quest` (its eager definition, what tests compare against).
 
-    quest_decode_step(q, k, v, valid, retrieval, idx_in, state, slot, scale, block_size, sink_tokens,
+    quest_decode_step(q, k, v, valid, retrieval, idx_in, desc, slot, scale, block_size, sink_tokens,
                       local_tokens, policy, policy_param, quest_mode, quest_blocks) -> (out, idx_out)
-        state [B, Lg, Hkv, NB, 2, D]: the whole `_lychee_quest` buffer (layout: quest.py); slot: this layer's
-        slot in it. The step writes this step's key's block of that slot into `state` IN PLACE.
+        desc [B, Lg, Hkv, NB, 2, D]: the whole `_lychee_quest` buffer (layout: quest.py); slot: this layer's
+        slot in it. The step writes this step's key's block of that slot into `desc` IN PLACE.
     hybrid_decode_quest(q, k, v, valid, retrieval, idx_in, desc, <the same scalars>) -> (out, idx_out, desc_out)
         desc [B, Hkv, NB, 2, D]: one slot; desc_out a new tensor (a functional custom op, so that tests and opcheck
         can compare it), desc left as it was.
@@ -13,10 +13,10 @@ Both fold this step's key into its block (only that block is read from k and wri
 blocks by the bound from the updated descriptors; they agree on every block holding a valid key, the only blocks
 the invariant in quest.py speaks of. The composite takes the whole buffer, not a view of its slot, because that is
 the form Inductor turns back into an in-place scatter of one block per (row, KV head) after AOTAutograd has
-functionalized it (fold_newest_key_ says why): no copy of the state, no write-back at the end of the graph.
+functionalized it (fold_newest_key_ says why): no copy of the buffer, no write-back at the end of the graph.
 
 Outputs equal lychee::hybrid_decode with the same quest_mode, which recomputes the descriptors from the whole cache,
-as long as the state holds what the prefill, earlier decode steps and rectification put there (state_buffers.py).
+as long as the buffer holds what the prefill, earlier decode steps and rectification put there (state_buffers.py).
 quest_mode must be 1 ("all") or 2 ("sparse"); with Quest off the rewrite emits lychee::hybrid_decode.
 
 The composite is plain tensor ops (descriptor update, bound, picks: AOTAutograd traces them into aten ops, which
@@ -34,15 +34,15 @@ from .reference import block_masks, descriptor_bound, hybrid_decode_reference, p
 
 
 def quest_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-                      retrieval: torch.Tensor, idx_in: torch.Tensor, state: torch.Tensor, slot: int,
+                      retrieval: torch.Tensor, idx_in: torch.Tensor, desc: torch.Tensor, slot: int,
                       scale: float, block_size: int, sink_tokens: int, local_tokens: int, policy: int,
                       policy_param: float, quest_mode: int, quest_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """lychee::hybrid_decode_quest as a composite that updates `state[:, slot]` in place (module docstring)."""
+    """lychee::hybrid_decode_quest as a composite that updates `desc[:, slot]` in place (module docstring)."""
     if quest_mode not in (QUEST_MODES["all"], QUEST_MODES["sparse"]):
         raise ValueError(f"quest_decode_step needs quest_mode 1 ('all') or 2 ('sparse'), got {quest_mode}.")
     nb = -(-k.shape[2] // block_size)
-    fold_newest_key_(state, slot, k, valid, block_size)
-    bound = descriptor_bound(q, state[:, slot], nb)                                               # [B, Hkv, nb]
+    fold_newest_key_(desc, slot, k, valid, block_size)
+    bound = descriptor_bound(q, desc[:, slot], nb)                                                # [B, Hkv, nb]
     valid_blk, fixed_blk = block_masks(valid, block_size, nb, sink_tokens, local_tokens)          # [B, nb]
     common = (scale, block_size, sink_tokens, local_tokens, policy, policy_param)
     if quest_mode == QUEST_MODES["all"]:

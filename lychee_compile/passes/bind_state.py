@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.op_arguments import get_arg
 from .context import PassContext
 
 
@@ -14,8 +15,8 @@ def _is_bind(node) -> bool:
     return node.op == "call_function" and node.target in (bind, bind.default)
 
 
-def bind_state_inputs(ctx: PassContext) -> None:
+def bind_buffers(ctx: PassContext) -> None:
     for node in list(ctx.gm.graph.nodes):
         if _is_bind(node):
-            ctx.state_inputs[node.args[1]] = node.args[0]
+            ctx.bound_buffers[get_arg(node, "name")] = get_arg(node, "state")
             ctx.gm.graph.erase_node(node)

@@ -8,7 +8,9 @@ config.layer_types says full attention, or the layer has no sliding window, or t
 length T at the site. Sliding layers keep their own attention (their cache is a ring buffer: slot != position).
 When T is unknown (the probe, or a symbolic length) a windowed layer counts as sliding.
 
-Prefill: query length > 1 -- dense by design, never rewritten.
+Prefill: query length > 1 -- dense by design, never rewritten. A symbolic query length is a prefill too: Dynamo
+specializes sizes 0 and 1, so a graph whose query length is a symbol never serves a one-token step (chunked prefill
+compiles its chunks through generate()'s compiled call, one graph for every chunk length >= 2).
 """
 from __future__ import annotations
 
@@ -20,23 +22,20 @@ from .graph_query import module_path, shape
 
 def classify_sites(ctx: PassContext, cache_len_known: bool = True) -> None:
     names = _module_names(ctx.model)
-    q_lens = set()
+    one_token = []
     for site in ctx.sites:
         _resolve_layer(site, names)
         q_len = (shape(site.q) or (None,) * 4)[2]
-        q_lens.add(q_len)
+        one_token.append(isinstance(q_len, int) and q_len == 1)     # a symbolic length is >= 2 (module docstring)
         if site.refusal is not None:
             continue
-        if not isinstance(q_len, int):
-            site.refusal = ("the query length is symbolic (dynamic=True over prefill and decode); lychee needs the "
-                            "decode step compiled on its own (static query length 1)")
-        elif site.layer_idx is None:
+        if site.layer_idx is None:
             site.refusal = f"cannot tell which layer the attention at {site.module_path!r} belongs to"
-        elif q_len > 1:
+        elif not one_token[-1]:
             site.kind = "prefill"
         else:
             site.kind = "sliding" if _is_sliding(ctx, site, cache_len_known) else "global"
-    ctx.is_decode = q_lens == {1}
+    ctx.is_decode = bool(one_token) and all(one_token)
     _check_order(ctx)
 
 

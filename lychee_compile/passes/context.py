@@ -43,9 +43,9 @@ class Site:
     kind: str | None = None
     refusal: str | None = None
     op_node: torch.fx.Node | None = None   # the lychee op that replaced it (rewrite pass)
-    # the op's updated per-layer state slices by state name ("heat"), written back by `thread_slots` (Quest's op
-    # writes its slot in place and returns none)
-    state_out: dict[str, torch.fx.Node] = dataclasses.field(default_factory=dict)
+    # the op's updated layer slot of a cross-step state, by buffer name ("heat"), written back by `thread_slots`
+    # (Quest's op writes its slot in place and returns none)
+    slot_out: dict[str, torch.fx.Node] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         where = f"layer {self.layer_idx}" if self.layer_idx is not None else (self.module_path or "?")
@@ -82,7 +82,9 @@ class PassContext:
     retrieval: object                # bool [num_layers, num_kv_heads], the effective head map (or None: probe)
     counters: Counters
     streaming: object = None         # bool [num_layers, num_kv_heads] or None: heads that inherit nothing
-    state_inputs: dict = dataclasses.field(default_factory=dict)  # name -> placeholder (pass bind_state)
+    # name -> placeholder of each buffer the wrapped forward announced with lychee::bind_state (pass bind_state):
+    # the state buffers (ops/state.py STATE_NAMES) and the fused linear groups (fuse_linears)
+    bound_buffers: dict = dataclasses.field(default_factory=dict)
     sites: list[Site] = dataclasses.field(default_factory=list)
     is_decode: bool | None = None
     rewrite: bool = True             # False: detect and check only (the probe in lychee_compile)
@@ -91,15 +93,15 @@ class PassContext:
 
     @property
     def heat_input(self) -> torch.fx.Node | None:
-        return self.state_inputs.get("heat")
+        return self.bound_buffers.get("heat")
 
     @property
     def quest_input(self) -> torch.fx.Node | None:
-        return self.state_inputs.get("quest")
+        return self.bound_buffers.get("quest")
 
     @property
     def kinds_input(self) -> torch.fx.Node | None:
-        return self.state_inputs.get("kinds")
+        return self.bound_buffers.get("kinds")
 
     @property
     def strict(self) -> bool:

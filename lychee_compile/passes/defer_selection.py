@@ -11,16 +11,14 @@ tensor ops, or the mass variant's combine) are left alone. LycheeConfig.defer_se
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx
 
 from ..ops.deferred_select import index_ready_op
-from ..ops.hybrid_decode import hybrid_decode_op
+from ..ops.hybrid_decode import IDX_OUT, hybrid_decode_op
+from ..ops.op_arguments import get_arg, set_arg
 from .context import PassContext
-
-DEFER = 15   # position of `defer_select` in lychee::hybrid_decode's schema
+from .graph_query import output_of
 
 
 def defer_selections(ctx: PassContext) -> None:
@@ -32,17 +30,15 @@ def defer_selections(ctx: PassContext) -> None:
     for op, next_op in zip(ops, ops[1:]):
         if op.target is not hybrid_decode_op():
             continue
-        idx = next((u for u in op.users if u.target is operator.getitem and u.args[1] == 1), None)
+        idx = output_of(op, IDX_OUT)
         if idx is None or not idx.users:
             continue
         first = min(idx.users, key=order.__getitem__)
         # the next layer's q: index_ready holds it, so it depends on it and no scheduler can hoist the join above
         # it (Inductor's peak-memory reordering put it right after the fork: nothing overlapped)
-        q = next_op.args[0]
+        q = get_arg(next_op, "q")
         anchor = [q] if isinstance(q, torch.fx.Node) and order[q] < order[first] else []
         with graph.inserting_before(first):
             graph.call_function(index_ready_op(), (idx, anchor))
-        args = list(op.args) + [None] * (DEFER + 1 - len(op.args))
-        args[DEFER] = True
-        op.args = tuple(args)
+        set_arg(op, "defer_select", True)
         ctx.counters.selections_deferred += 1

@@ -83,7 +83,7 @@ def _row_offset(view: torch.Tensor, base: torch.Tensor) -> int | None:
 
 
 def fuse_sibling_linears(ctx: PassContext) -> None:
-    groups = {name[len(GROUP_PREFIX):]: node for name, node in ctx.state_inputs.items()
+    groups = {name[len(GROUP_PREFIX):]: node for name, node in ctx.bound_buffers.items()
               if name.startswith(GROUP_PREFIX)}
     if not groups or not ctx.config.fuse_linears or ctx.example_inputs is None:
         return
@@ -98,7 +98,7 @@ def fuse_sibling_linears(ctx: PassContext) -> None:
         if row is not None:
             found.setdefault((key, parts[0]), []).append((row, w.shape[0], node, parts[2]))
     for (key, x), members in found.items():
-        _replace_group(ctx, x, groups[key], ctx.state_inputs.get(BIAS_PREFIX + key), values, members)
+        _replace_group(ctx, x, groups[key], ctx.bound_buffers.get(BIAS_PREFIX + key), values, members)
 
 
 def _replace_group(ctx, x, buf_node, bias_node, values, members) -> None:

@@ -69,10 +69,16 @@ def dtype(node):
 
 
 def arg(node: torch.fx.Node, index: int, name: str, default=None):
-    """Positional-or-keyword argument of a call node."""
+    """Positional-or-keyword argument of a call node of a torch builtin (which has no schema to read; lychee ops and
+    our helpers are addressed by name alone: ops/op_arguments.py)."""
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
+
+
+def output_of(node: torch.fx.Node, index: int) -> torch.fx.Node | None:
+    """The getitem node that reads output `index` of a multi-output call, or None."""
+    return next((u for u in node.users if u.target is operator.getitem and u.args[1] == index), None)
 
 
 def module_path(node: torch.fx.Node) -> str | None:

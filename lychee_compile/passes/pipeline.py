@@ -18,7 +18,7 @@ The probe in api.py runs the same list up to `check` (with window-aware classifi
 """
 from __future__ import annotations
 
-from .bind_state import bind_state_inputs
+from .bind_state import bind_buffers
 from .canonicalize import canonicalize_sites
 from .check import check_coverage
 from .classify import classify_for_probe, classify_sites
@@ -31,7 +31,7 @@ from .thread_slots import thread_slots
 from .thread_state import thread_index_state
 
 PASSES = [
-    ("bind_state", bind_state_inputs),
+    ("bind_state", bind_buffers),
     ("detect", find_sites),
     ("canonicalize", canonicalize_sites),
     ("classify", classify_sites),

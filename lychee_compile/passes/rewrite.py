@@ -6,14 +6,15 @@ Per site, inserted right before the original attention output (so after the KV-c
                                                              # the same mask (the lowering then computes each row's
                                                              # valid range once per step, not once per layer)
     kinds = kinds_slot(state.kinds, slot)                    # bool [Hkv], runtime data (ops/state.py)
-    res   = lychee.hybrid_decode.default(q, K, V, valid, kinds, <idx_in>, scale, block, sink, local,
-                                         policy, policy_param)
+    res   = lychee.hybrid_decode.default(q, K, V, valid, retrieval=kinds, idx_in=<by thread_state>, scale,
+                                         block_size, sink_tokens, local_tokens, policy, policy_param, quest_mode,
+                                         quest_blocks)       # built by argument name (ops/op_arguments.py)
     out   = res[0]                                           # replaces the attention output
     idx   = res[1]                                           # wired to the next layer by `thread_state`
 With heat or Quest bounds on, the node is a composite instead, heat_decode_step (ops/heat.py) / quest_decode_step
 (ops/quest_decode.py): a plain function equal to the eager op lychee.hybrid_decode_heat / hybrid_decode_quest, that
 Inductor's AOTAutograd traces into aten ops around one lychee.hybrid_decode_mass / hybrid_decode call, so the
-attention gets the Triton lowering. It also carries its layer's slot of that state: heat reads
+attention gets the Triton lowering. It also carries its layer's slot of its cross-step state: heat reads
 layer_slot(state.heat, slot) and returns the updated slice as res[2], which `thread_slots` writes back; Quest takes
 the whole descriptor buffer and the slot index (where the op takes one slot) and writes the one block per row that
 changed into the buffer in place.
@@ -27,7 +28,8 @@ import operator
 import torch
 
 from ..ops.heat import heat_decode_step
-from ..ops.hybrid_decode import hybrid_decode_op
+from ..ops.hybrid_decode import IDX_OUT, OUT, SLOT_OUT, hybrid_decode_op
+from ..ops.op_arguments import positional
 from ..ops.quest_decode import quest_decode_step
 from .canonicalize import VALID_FROM, valid_everywhere
 from .context import PassContext, Site
@@ -42,7 +44,7 @@ def kinds_slot(kinds: torch.Tensor, slot: int) -> torch.Tensor:
 
 def rewrite_sites(ctx: PassContext) -> None:
     global_sites = [s for s in ctx.sites if s.kind == "global"]
-    if global_sites and ctx.config.attention == "hybrid" and not _state_fits(ctx, len(global_sites)):
+    if global_sites and ctx.config.attention == "hybrid" and not _buffers_fit(ctx, len(global_sites)):
         return
     shared_valid: dict = {}
     for slot, site in enumerate(global_sites):
@@ -50,7 +52,7 @@ def rewrite_sites(ctx: PassContext) -> None:
         ctx.counters.sites_rewritten += 1
 
 
-def _state_fits(ctx: PassContext, n_global: int) -> bool:
+def _buffers_fit(ctx: PassContext, n_global: int) -> bool:
     """The bound state buffers exist and have one slot per global layer of this graph (else the graph is refused)."""
     wanted = {"kinds": 0}                                                    # name -> slot dimension
     if ctx.config.heat_blocks > 0:
@@ -58,7 +60,7 @@ def _state_fits(ctx: PassContext, n_global: int) -> bool:
     if ctx.config.quest != "off":
         wanted["quest"] = 1
     for name, dim in wanted.items():
-        node = ctx.state_inputs.get(name)
+        node = ctx.bound_buffers.get(name)
         if node is None:
             hint = (" The Quest descriptors are built from the cache by the model's eager forward (the prefill) or "
                     "just before a decode step made through model.get_compiled_call(); this decode step came "
@@ -74,24 +76,28 @@ def _state_fits(ctx: PassContext, n_global: int) -> bool:
 
 
 def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int):
-    """(the lychee node for one site, the name of the state whose slice it returns as res[2] or None): hybrid_decode,
+    """(the lychee node for one site, the name of the cross-step state whose slot it returns as res[2] or None):
+    hybrid_decode,
     or the composite heat_decode_step (reads its heat slot, returns the new one) / quest_decode_step (updates its
     Quest descriptor slot in place, returns none) (the config allows at most one of them)."""
     graph, cfg = ctx.gm.graph, ctx.config
+    def call(target, **named):
+        return graph.call_function(target, positional(target, named))
+
+    attention = dict(q=site.q, k=site.kv_k, v=site.kv_v, valid=valid, scale=site.scale)
     if cfg.attention == "flash_dense":
-        return graph.call_function(torch.ops.lychee.dense_decode.default, (site.q, site.kv_k, site.kv_v, valid,
-                                                                           site.scale)), None
-    args = (site.q, site.kv_k, site.kv_v, valid, kinds, None)
-    tail = (site.scale, cfg.block_size, cfg.sink_tokens, cfg.local_tokens, cfg.policy_code,
-            float(cfg.selection_param))
-    quest = (cfg.quest_code, cfg.quest_blocks)
+        return call(torch.ops.lychee.dense_decode.default, **attention), None
+    hybrid = dict(attention, retrieval=kinds, idx_in=None,        # idx_in: wired by thread_state
+                  block_size=cfg.block_size, sink_tokens=cfg.sink_tokens, local_tokens=cfg.local_tokens,
+                  policy=cfg.policy_code, policy_param=float(cfg.selection_param))
+    quest = dict(quest_mode=cfg.quest_code, quest_blocks=cfg.quest_blocks)
     if ctx.heat_input is not None:
         heat = graph.call_function(layer_slot, (ctx.heat_input, slot))
-        return graph.call_function(heat_decode_step,
-                                   args + (heat,) + tail + (float(cfg.heat_decay), cfg.heat_blocks)), "heat"
+        return call(heat_decode_step, **hybrid, heat=heat, heat_decay=float(cfg.heat_decay),
+                    heat_blocks=cfg.heat_blocks), "heat"
     if cfg.quest != "off":      # the whole buffer and the slot: the op writes one block per row into it
-        return graph.call_function(quest_decode_step, args + (ctx.quest_input, slot) + tail + quest), None
-    return graph.call_function(hybrid_decode_op(), args + tail + quest), None
+        return call(quest_decode_step, **hybrid, **quest, desc=ctx.quest_input, slot=slot), None
+    return call(hybrid_decode_op(), **hybrid, **quest), None
 
 
 def _valid_key(site: Site) -> tuple:
@@ -116,12 +122,12 @@ def _rewrite(ctx: PassContext, site: Site, slot: int, shared_valid: dict) -> Non
             valid.meta["nn_module_stack"] = site.output.meta.get("nn_module_stack", {})
             shared_valid[key] = valid
         kinds = None if dense else graph.call_function(kinds_slot, (ctx.kinds_input, slot))
-        op, state_name = _op_call(ctx, site, valid, kinds, slot)
-        out = op if dense else graph.call_function(operator.getitem, (op, 0))
+        op, slot_name = _op_call(ctx, site, valid, kinds, slot)
+        out = op if dense else graph.call_function(operator.getitem, (op, OUT))
         if not dense:
-            graph.call_function(operator.getitem, (op, 1))
-        if state_name is not None:
-            site.state_out[state_name] = graph.call_function(operator.getitem, (op, 2))
+            graph.call_function(operator.getitem, (op, IDX_OUT))
+        if slot_name is not None:
+            site.slot_out[slot_name] = graph.call_function(operator.getitem, (op, SLOT_OUT))
     for node in (kinds, op, out):
         if node is not None:
             node.meta["nn_module_stack"] = site.output.meta.get("nn_module_stack", {})

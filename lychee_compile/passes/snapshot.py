@@ -1,12 +1,14 @@
 """A stable text rendering of a rewritten graph, for snapshot tests reviewed as diffs.
 
-Only what the rewrite decides is printed -- the lychee ops with their inputs named by role, the index-state chain,
-and the attention left dense -- so a snapshot changes when our rewrite changes, not when Dynamo renames a node:
+Only what the rewrite decides is printed -- the lychee ops with their inputs named as the op's schema (a
+composite's signature) names them, the index-state chain, and the attention left dense -- so a snapshot changes when
+our rewrite changes, not when Dynamo renames a node:
 
     lychee graph v6: 3 lychee ops, 1 valid mask node, dense attention left: sdpa=0 softmax=0
     linears: 13, fused products: 6 (members 3,2,3,2,3,2)
-    op 0 layer=0 q=[2,4,1,16] k=past_key_values.layers.0.keys v=past_key_values.layers.0.values
-         valid=valid_from_bool_mask(attention_mask) kinds=kinds_slot(state.kinds, 0) idx_in=empty(K=4) scale=0.25 block=4 ...
+    op 0 hybrid_decode layer=0 q=[2,4,1,16] k=cache.layers.0.keys v=cache.layers.0.values
+         valid=valid_from_bool_mask(attention_mask) retrieval=kinds_slot(state.kinds, 0) idx_in=empty(K=4) scale=0.25
+         block_size=4 ...
     index_ready(idx_out(op 0), after=q(op 1)) before op 1
 """
 from __future__ import annotations
@@ -14,27 +16,23 @@ from __future__ import annotations
 import re
 
 import torch
-
 import torch.fx
 
 from ..ops.heat import heat_decode_step
 from ..ops.hybrid_decode import hybrid_decode_op
+from ..ops.op_arguments import get_arg, given
 from ..ops.quest_decode import quest_decode_step
 from ..ops.state import STATE_NAMES
-from .graph_query import is_op, shape
+from .graph_query import arg, is_op, shape
 
-_ARG_NAMES = ("q", "k", "v", "valid", "kinds", "idx_in", "scale", "block", "sink", "local", "policy", "param")
-_HEAT_ARG_NAMES = _ARG_NAMES[:6] + ("heat",) + _ARG_NAMES[6:] + ("decay", "heat_blocks")
-_QUEST_ARG_NAMES = _ARG_NAMES[:6] + ("state", "slot") + _ARG_NAMES[6:] + ("quest", "quest_blocks")
-_ARG_NAMES = _ARG_NAMES + ("quest", "quest_blocks", "select", "defer")
+
+_SLOT_OF = {"layer_slot": "buffer", "kinds_slot": "kinds"}     # helper -> the argument it takes a slot of
 
 
 def _lychee_ops() -> dict:
-    import torch
-    return {hybrid_decode_op(): ("hybrid_decode", _ARG_NAMES),
-            torch.ops.lychee.dense_decode.default: ("dense_decode", ("q", "k", "v", "valid", "scale")),
-            heat_decode_step: ("heat_decode_step", _HEAT_ARG_NAMES),
-            quest_decode_step: ("quest_decode_step", _QUEST_ARG_NAMES)}
+    """target -> the name printed for it (its arguments are printed under their schema / signature names)."""
+    return {hybrid_decode_op(): "hybrid_decode", torch.ops.lychee.dense_decode.default: "dense_decode",
+            heat_decode_step: "heat_decode_step", quest_decode_step: "quest_decode_step"}
 
 
 def graph_snapshot(gm: torch.fx.GraphModule) -> str:
@@ -42,30 +40,31 @@ def graph_snapshot(gm: torch.fx.GraphModule) -> str:
     ops = [n for n in gm.graph.nodes if n.target in known]
     layer_of = {op: i for i, op in enumerate(ops)}
     dense = {name: sum(is_op(n, name) for n in gm.graph.nodes) for name in ("sdpa", "softmax")}
-    n_valid = len({op.args[3] for op in ops})          # ops share one valid node per mask (rewrite pass)
+    n_valid = len({get_arg(op, "valid") for op in ops})          # ops share one valid node per mask (rewrite pass)
     lines = [f"lychee graph v6: {len(ops)} lychee ops, {n_valid} valid mask node{'s' * (n_valid != 1)}, "
              "dense attention left: "
              + " ".join(f"{k}={v}" for k, v in dense.items()), _linears_line(gm)]
     for i, op in enumerate(ops):
-        op_name, arg_names = known[op.target]
-        parts = [f"{name}={_render(a, layer_of)}" for name, a in zip(arg_names, op.args)]
-        lines.append(f"op {i} {op_name} layer={op.meta.get('lychee_layer')} " + " ".join(parts))
+        parts = [f"{name}={_render(a, layer_of)}" for name, a in given(op).items()]
+        lines.append(f"op {i} {known[op.target]} layer={op.meta.get('lychee_layer')} " + " ".join(parts))
     for n in gm.graph.nodes:
         if n.target is torch.ops.lychee.index_ready.default:
-            after = [f"q(op {layer_of[o]})" for a in n.args[1] for o in a.users if o in layer_of and o.args[0] is a]
-            lines.append(f"index_ready({_render(n.args[0], layer_of)}, after={','.join(after) or '-'}) before "
+            after = [f"q(op {layer_of[o]})" for a in get_arg(n, "hold") for o in a.users
+                     if o in layer_of and get_arg(o, "q") is a]
+            lines.append(f"index_ready({_render(get_arg(n, 'idx'), layer_of)}, after={','.join(after) or '-'}) before "
                          f"{_first_reader(n, layer_of)}")
     writes = [n for n in gm.graph.nodes if n.target is torch.ops.lychee.write_state.default]
     for n in writes:
-        state = _render(n.args[0], layer_of)
-        lines.append(f"write_state({state} <- stack of {len(n.args[1].args)} {state.split('.')[-1]} slices)")
+        buffer = _render(get_arg(n, "state"), layer_of)
+        lines.append(f"write_state({buffer} <- stack of {len(get_arg(n, 'value').args)} {buffer.split('.')[-1]} "
+                     "slices)")
     return "\n".join(lines) + "\n"
 
 
 def _first_reader(ready: torch.fx.Node, layer_of) -> str:
     """The first node after `ready` that reads its index state: `op j`, or the helper's name (drop_inherited)."""
     node = ready.next
-    while node.op != "output" and ready.args[0] not in node.all_input_nodes:
+    while node.op != "output" and get_arg(ready, "idx") not in node.all_input_nodes:
         node = node.next
     if node in layer_of:
         return f"op {layer_of[node]}"
@@ -75,8 +74,8 @@ def _first_reader(ready: torch.fx.Node, layer_of) -> str:
 def _linears_line(gm: torch.fx.GraphModule) -> str:
     """F.linear calls left, and the fused products among them (pass fuse_linears) with their member counts."""
     linears = [n for n in gm.graph.nodes if is_op(n, "linear")]
-    fused = [n for n in linears if isinstance(n.args[1], torch.fx.Node)
-             and "lychee_linear_group" in str(n.args[1].target)]
+    fused = [n for n in linears if isinstance(arg(n, 1, "weight"), torch.fx.Node)
+             and "lychee_linear_group" in str(arg(n, 1, "weight").target)]
     return (f"linears: {len(linears)}, fused products: {len(fused)} (members "
             + ",".join(str(len(n.users)) for n in fused) + ")")
 
@@ -89,15 +88,16 @@ def _render(a, layer_of) -> str:
     if a.op == "call_function" and a.target.__module__.startswith("lychee_compile"):
         name = a.target.__name__
         if name == "drop_inherited":
-            rows = ",".join("T" if r else "-" for r in a.args[1])
-            return f"drop_inherited({_render(a.args[0], layer_of)}, streaming={rows})"
-        if name in ("layer_slot", "kinds_slot"):
-            return f"{name}({_render(a.args[0], layer_of)}, {a.args[1]})"
+            rows = ",".join("T" if r else "-" for r in get_arg(a, "streaming_row"))
+            return f"drop_inherited({_render(get_arg(a, 'idx'), layer_of)}, streaming={rows})"
+        if name in _SLOT_OF:
+            return f"{name}({_render(get_arg(a, _SLOT_OF[name]), layer_of)}, {get_arg(a, 'slot')})"
         if name == "selection_readers":
-            streaming = ",".join("T" if r else "-" for r in a.args[2])
-            return f"{name}({_render(a.args[0], layer_of)}, {a.args[1]}" + (f", streaming={streaming})" if any(a.args[2]) else ")")
+            row = get_arg(a, "streaming_next")
+            streaming = f", streaming={','.join('T' if r else '-' for r in row)}" if any(row) else ""
+            return f"{name}({_render(get_arg(a, 'kinds'), layer_of)}, {get_arg(a, 'slot')}{streaming})"
         if name == "empty_index_state_like":
-            return f"empty(K={a.args[1]})"
+            return f"empty(K={get_arg(a, 'num_select')})"
         inner = ",".join(_render(x, layer_of) for x in a.args if isinstance(x, torch.fx.Node) and x.op == "placeholder")
         return f"{name}({inner})"
     if a.op == "call_function" and a.args and a.args[0] in layer_of:

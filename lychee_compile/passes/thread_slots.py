@@ -17,9 +17,9 @@ from .context import PassContext
 SLOT_STATES = ("heat",)     # functionally threaded states, one slot per global layer (dim 1)
 
 
-def layer_slot(state: torch.Tensor, slot: int) -> torch.Tensor:
-    """state [B, Lg, ...] -> the slot's [B, ...] (a view: the op reads the previous step's values)."""
-    return state[:, slot]
+def layer_slot(buffer: torch.Tensor, slot: int) -> torch.Tensor:
+    """buffer [B, Lg, ...] -> the slot's [B, ...] (a view: the op reads the previous step's values)."""
+    return buffer[:, slot]
 
 
 def stack_slots(*slices: torch.Tensor) -> torch.Tensor:
@@ -31,9 +31,9 @@ def thread_slots(ctx: PassContext) -> None:
     graph = ctx.gm.graph
     output = next(n for n in graph.nodes if n.op == "output")
     for name in SLOT_STATES:
-        outs = [s.state_out[name] for s in sites if name in s.state_out]
+        outs = [s.slot_out[name] for s in sites if name in s.slot_out]
         if not outs:
             continue
         with graph.inserting_before(output):
             stacked = graph.call_function(stack_slots, tuple(outs))
-            graph.call_function(torch.ops.lychee.write_state.default, (ctx.state_inputs[name], stacked))
+            graph.call_function(torch.ops.lychee.write_state.default, (ctx.bound_buffers[name], stacked))

@@ -1,0 +1,51 @@
+"""The calibration record a calibrated HeadMap carries: metadata["calibration"] (JSON) plus two flat keys,
+"recommended_budget" and "calibration_status", that HeadMap.recommended_budget / .calibration read back.
+
+Fields: status (certified | unconfirmed | failed) and reasons; target; quality per metric on the held-out prompts
+(value, paired 95% interval, prompt count) and on the search prompts; prompts (search and held-out counts per task,
+seeds); kv_bytes_per_step, dense_kv_bytes_per_step and bytes_per_step_vs_dense (kv_bytes.py's model);
+recommended_budget (tokens) and context_range [min, max] it was calibrated for; block_size / sink_tokens /
+local_tokens it assumes; data_digest; tool_version; torch; device; search and certify wall seconds.
+"""
+from __future__ import annotations
+
+import json
+
+
+def tool_version() -> str:
+    from importlib import metadata
+    try:
+        return f"lychee_compile {metadata.version('lychee_compile')}"
+    except metadata.PackageNotFoundError:
+        return "lychee_compile (not installed: version unknown)"
+
+
+def calibration_record(kw: dict, target, chosen: dict, cert: dict | None, dense_bytes: float, search_s: float,
+                       data_digest: str, device: str) -> dict:
+    import torch
+    status = cert["status"] if cert else "unconfirmed"
+    reasons = cert["reasons"] if cert else ["not certified: the certification phase did not run"]
+    return dict(
+        status=status, reasons=reasons, target=str(target),
+        quality=None if cert is None else {m: dict(value=q["value"], interval=q["interval"], n=q["n"])
+                                           for m, q in cert["quality"].items()},
+        search_quality=chosen["quality"],
+        prompts=dict(search_per_length=kw["search_prompts"], search_seed=kw["search_seed"],
+                     held_out={m: q["n"] for m, q in (cert or {}).get("quality", {}).items()},
+                     certify_seed=None if cert is None else cert["seed"]),
+        retrieval_heads=chosen["heads"], kv_bytes_per_step=chosen["bytes"], dense_kv_bytes_per_step=dense_bytes,
+        bytes_per_step_vs_dense=chosen["bytes_ratio"], recommended_budget=chosen["budget"],
+        context_range=[min(kw["lengths"]), max(kw["lengths"])], lengths=kw["lengths"],
+        block_size=kw["block_size"], sink_tokens=kw["sink_tokens"], local_tokens=kw["local_tokens"],
+        head_scorer=kw["scorer"], data_digest=data_digest, text=kw["text"], tool_version=tool_version(),
+        torch=torch.__version__, device=device, search_wall_s=round(search_s, 1),
+        certify_wall_s=None if cert is None else cert["wall_s"],
+        certify_backend=None if cert is None else cert["backend"],
+        certify_batch_size=None if cert is None else cert["batch_size"])
+
+
+def with_record(head_map, record: dict):
+    from ..head_map import HeadMap
+    meta = dict(head_map.metadata, calibration=json.dumps(record, sort_keys=True),
+                recommended_budget=str(record["recommended_budget"]), calibration_status=record["status"])
+    return HeadMap(head_map.retrieval, meta, head_map.streaming)

@@ -1,0 +1,37 @@
+"""report.md: what was asked, every visited point, the chosen one, and what certification found."""
+from __future__ import annotations
+
+
+def _q(quality: dict) -> str:
+    return ", ".join(f"{m} {q['value']:+.3g} [{q['interval'][0]:+.3g}, {q['interval'][1]:+.3g}] (n={q['n']})"
+                     for m, q in quality.items())
+
+
+def render(record: dict | None, points: list[dict], kw: dict, target, status: str) -> str:
+    lines = [f"# Calibration: {status}", "",
+             f"Target {target} (passkey: accuracy points vs dense; ppl / repeat: % perplexity above dense), contexts "
+             f"{kw['lengths']}, {kw['search_prompts']} search prompts per length and task (seed {kw['search_seed']}), "
+             f"heads ordered by {kw['scorer']}, block {kw['block_size']}, sink {kw['sink_tokens']}, local "
+             f"{kw['local_tokens']}.", "",
+             "## Search (point estimates on the search prompts; [95% paired intervals])", "",
+             "| retrieval heads | budget | KV bytes vs dense | quality | meets |", "|---|---|---|---|---|"]
+    lines += [f"| {p['heads']} | {p['budget']} | {100 * p['bytes_ratio']:.1f}% | {_q(p['quality'])} | "
+              f"{'yes' if p['passes'] else 'no'} |" for p in points]
+    if record is None:
+        lines += ["", "No visited point met the target: no map written. Widen the grid (more heads, larger "
+                      "budgets) or loosen the target."]
+        return "\n".join(lines) + "\n"
+    lines += ["", "## Chosen", "",
+              f"{record['retrieval_heads']} retrieval heads beyond the first global layer, recommended budget "
+              f"**{record['recommended_budget']} tokens**, {100 * record['bytes_per_step_vs_dense']:.1f}% of dense "
+              f"KV bytes per step, for contexts {record['context_range'][0]}-{record['context_range'][1]}.", "",
+              "## Certification (held-out prompts)", ""]
+    if record["quality"] is None:
+        lines.append("Not run.")
+    else:
+        lines.append(f"{_q(record['quality'])}; backend {record['certify_backend']}, batch "
+                     f"{record['certify_batch_size']}, device {record['device']}, seed {record['prompts']['certify_seed']}.")
+    lines += ["", f"Status **{record['status']}**" + (": " + "; ".join(record["reasons"]) if record["reasons"] else ""),
+              "", f"Search {record['search_wall_s']} s, certification {record['certify_wall_s']} s; data digest "
+              f"{record['data_digest']}; {record['tool_version']}, torch {record['torch']}."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,181 @@
+"""One calibration run's working state: the base model, the prompt sets and their dense prefills, one compiled
+variant per budget (the head count changes through set_head_map: the kinds are runtime data, nothing recompiles),
+and the resume store every finished piece goes to.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from ..config import LycheeConfig
+from ..head_map import HeadMap
+from .evaluate import PromptBank, compare, counters_of
+from .head_scores import score_heads, top_heads
+from .kv_bytes import mean_bytes
+from .prompts import prompt_set
+
+
+class Session:
+    def __init__(self, model, tokenizer, target, store, kw: dict, progress: bool, log):
+        self.model, self.tokenizer, self.target, self.store, self.kw, self.log = model, tokenizer, target, store, kw, log
+        self.progress = progress
+        self._items, self._banks, self._variants, self._dense = {}, {}, {}, {}
+        self._global_layers = store.get("global_layers")
+        self.points_evaluated = 0
+        self._bar = None
+
+    # --- inputs --------------------------------------------------------------------------------------------------
+    def search_items(self, task: str) -> list:
+        if task not in self._items:
+            k = self.kw
+            self._items[task] = prompt_set(self.tokenizer, task, k["lengths"], k["search_prompts"], k["search_seed"],
+                                           k["text"], k["score_tokens"], k["chat_template"])
+        return self._items[task]
+
+    def head_scores(self, given=None) -> torch.Tensor:
+        if given is not None:
+            return torch.as_tensor(given, dtype=torch.float32)
+        saved = self.store.get("head_scores")
+        if saved is None:
+            k = self.kw
+            t0 = time.perf_counter()
+            scores = score_heads(self.model, self.tokenizer, k["scorer"], min(k["lengths"]), k["score_samples"],
+                                 progress=self.progress, hardkuma_steps=k["hardkuma_steps"],
+                                 checkpoint=self.store.path + ".hardkuma")
+            saved = dict(scores=scores.tolist(), wall_s=round(time.perf_counter() - t0, 1))
+            self.store.put("head_scores", saved)
+        return torch.tensor(saved["scores"])
+
+    def lychee_config(self, budget: int) -> LycheeConfig:
+        k = self.kw
+        return LycheeConfig(budget=budget, block_size=k["block_size"], sink_tokens=k["sink_tokens"],
+                            local_tokens=k["local_tokens"], backend=k["backend"])
+
+    # --- variants ------------------------------------------------------------------------------------------------
+    def variant(self, budget: int, backend: str | None = None, head_map: HeadMap | None = None):
+        """The compiled weight-sharing copy for `budget` (eval/scoring.Variant through eval/methods.method_spec)."""
+        from ..eval.methods import method_spec
+        from ..eval.scoring import Variant, configure_dynamo
+        backend = backend or self.kw["backend"]
+        key = (budget, backend)
+        if key not in self._variants or head_map is not None:
+            configure_dynamo()
+            hm = head_map or HeadMap.for_model(self.model, layers=[0], method="calibration probe")
+            k = self.kw
+            spec = method_spec("lychee", self.model, budget, hm, block_size=k["block_size"],
+                               sink_tokens=k["sink_tokens"], local_tokens=k["local_tokens"], backend=backend)
+            v = Variant.build(self.model, spec)
+            if head_map is not None:
+                return v
+            self._variants[key] = v
+        return self._variants[key]
+
+    def global_layers(self) -> list[int]:
+        if self._global_layers is None:
+            from ..api import state_of
+            self._global_layers = list(state_of(self.variant(self.kw["budgets"][0]).model).global_layers)
+            self.store.put("global_layers", self._global_layers)
+        return self._global_layers
+
+    def head_map(self, scores: torch.Tensor, heads: int) -> HeadMap:
+        retrieval = top_heads(scores, heads, self.global_layers())
+        meta = {"method": f"calibrated ({self.kw['scorer']})", "retrieval_heads": str(heads),
+                "scores": json.dumps([[round(float(x), 4) for x in row] for row in scores])}
+        return HeadMap(retrieval, meta).with_model_metadata(self.model)
+
+    def kv_bytes(self, retrieval, budget: int | None) -> float:
+        cfg = None if budget is None else self.lychee_config(budget)
+        return mean_bytes(self.model.config, retrieval, self.global_layers(), cfg, self.kw["lengths"],
+                          self.model.dtype.itemsize)
+
+    # --- scoring -------------------------------------------------------------------------------------------------
+    def bar(self):
+        if self._bar is None:
+            from tqdm.auto import tqdm
+            self._bar = tqdm(desc="calibrate", unit="score", disable=not self.progress, dynamic_ncols=True)
+        return self._bar
+
+    def bank(self, task: str) -> PromptBank:
+        if task not in self._banks:
+            self._banks[task] = PromptBank(self.model, self.search_items(task))
+        return self._banks[task]
+
+    @property
+    def scorings(self) -> int:
+        return sum(b.scored for b in self._banks.values())
+
+    def dense_records(self, task: str) -> list[dict]:
+        key = f"dense/search/{task}"
+        if self.store.get(key) is None:
+            from ..eval.methods import method_spec
+            from ..eval.scoring import Variant
+            dense = Variant.build(self.model, method_spec("dense", self.model, 1))
+            self.bar().set_postfix_str(f"dense {task}")
+            self.store.put(key, self.bank(task).score(dense, "dense", self.bar().update))
+        return self.store.get(key)
+
+    def evaluate_point(self, scores, heads: int, budget: int) -> dict:
+        key = f"point/h{heads}-b{budget}"
+        if self.store.get(key) is not None:
+            return self.store.get(key)
+        from ..api import set_head_map
+        hm = self.head_map(scores, heads)
+        dense_bytes = self.kv_bytes(None, None)
+        rec = dict(heads=heads, budget=budget, retrieval_heads_total=int(hm.retrieval.sum()),
+                   bytes=self.kv_bytes(hm.retrieval, budget), quality={}, counters={}, passes=True)
+        rec["bytes_ratio"] = rec["bytes"] / dense_bytes
+        v = self.variant(budget)
+        set_head_map(v.model, hm)
+        for task in self.target.tasks:
+            dense = self.dense_records(task)
+            before = v.counters().decode_calls
+            self.bar().set_postfix_str(f"{heads} heads, budget {budget}: {task}")
+            recs = self.bank(task).score(v, "lychee", self.bar().update, kl=self.target.needs_kl(task))
+            row = compare(recs, dense, "lychee")
+            rec["counters"][task] = counters_of(v, before)
+            for metric in self.target.of_task(task):
+                rec["quality"][metric.name] = dict(value=metric.value(row), interval=metric.interval(row), n=row["n"])
+                rec["passes"] &= metric.meets(row)
+        self.points_evaluated += 1
+        rec = json.loads(json.dumps(rec))        # as the store gives it back on resume (tuples -> lists)
+        self.store.put(key, rec)
+        self.log(f"  {heads:3d} heads, budget {budget:5d}: {100 * rec['bytes_ratio']:5.1f}% of dense bytes, "
+                 + ", ".join(f"{m} {q['value']:+.3g}" for m, q in rec["quality"].items())
+                 + (" -> meets the target" if rec["passes"] else " -> misses"))
+        return rec
+
+    def certify(self, scores, best: dict, held_out: dict, min_prompts: int, batch_size: int,
+                certify_backend: str | None, certify_seed: int) -> dict:
+        from ..eval.methods import method_spec
+        from ..eval.scoring import Variant
+        from .certify import certify
+        backend = certify_backend or ("inductor" if self.model.device.type == "cuda" else self.kw["backend"])
+        hm = self.head_map(scores, best["heads"])
+        built = []
+
+        def variants():
+            """(dense, lychee), built on first use: a resumed, finished certification compiles nothing."""
+            if not built:
+                from ..api import set_head_map
+                if backend == self.kw["backend"]:            # the search's compiled copy, switched to this map
+                    lychee = self.variant(best["budget"])
+                    set_head_map(lychee.model, hm)
+                else:
+                    lychee = self.variant(best["budget"], backend, head_map=hm)
+                built.append((Variant.build(self.model, method_spec("dense", self.model, 1)), lychee))
+            return built[0]
+        key = "certify/" + json.dumps(dict(heads=best["heads"], budget=best["budget"], seed=certify_seed,
+                                           n={t: len(i) for t, i in held_out.items()}, backend=backend,
+                                           batch=batch_size, device=self.model.device.type), sort_keys=True)
+        pad = self.tokenizer.pad_token_id if getattr(self.tokenizer, "pad_token_id", None) is not None else 0
+        from tqdm.auto import tqdm
+        bar = tqdm(total=sum(len(i) for i in held_out.values()), desc="certify", unit="prompt",
+                   disable=not self.progress, dynamic_ncols=True)
+        out = certify(self.model, variants, held_out, self.target, min_prompts,
+                      batch_size, self.store, key, pad, bar.update)
+        bar.close()
+        out.update(backend=backend, batch_size=batch_size, device=str(self.model.device), seed=certify_seed,
+                   attempt=key, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        return out

@@ -1,0 +1,150 @@
+"""`lychee calibrate` (lychee_compile/calibrate/) on a tiny random model: search, certification, outputs, resume.
+
+Passkey means nothing on random weights, so the target is KL(dense || lychee) per token on real-text prompts (a
+character tokenizer over the shipped haystack). The test asserts what a run must do, not the numbers it finds: at
+least one visited point misses, the chosen point reads fewer KV bytes than dense and meets the target on its
+held-out prompts, every evaluation went through the rewritten decode graph, and a rerun reuses every finished piece.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lychee_compile.calibrate import calibrate
+from lychee_compile.calibrate.batch_scoring import batch_prefill, batch_steps
+from lychee_compile.calibrate.head_scores import top_heads
+from lychee_compile.calibrate.kv_bytes import bytes_per_step
+from lychee_compile.calibrate.search import cheapest, walk
+from lychee_compile.calibrate.target import QualityTarget
+from lychee_compile.config import LycheeConfig
+from lychee_compile.eval.methods import method_spec
+from lychee_compile.eval.scoring import Variant, dense_prefill
+from lychee_compile.head_map import HeadMap
+from tests.models import make
+from tests.test_eval_harness import CFG, CharTokenizer, _given
+
+TINY = dict(lengths=[320], block_size=4, sink_tokens=4, local_tokens=8, budgets=[16, 64], head_counts=[0, 2, 4],
+            search_prompts=3, certify_prompts=4, min_prompts=300, score_tokens=6, score_samples=2, progress=False,
+            log=lambda s: None)
+TARGET = "kl=0.0004nat"     # between what budget 16 and budget 64 lose with no retrieval heads beyond layer 0
+
+
+class Tok(CharTokenizer):
+    """CharTokenizer that also answers return_tensors="pt" (training/data.py asks for it)."""
+    pad_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False, return_tensors=None):
+        ids = [ord(c) for c in text]
+        return type("Enc", (), {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids})()
+
+
+def test_calibrate_end_to_end_and_resume(tmp_path):
+    out = str(tmp_path / "calib")
+    model = make("llama")
+    r = calibrate(model, Tok(), TARGET, out, **TINY)
+    assert r.points_evaluated == len(r.points) >= 2 and r.scorings > 0
+    assert any(not p["passes"] for p in r.points), "the frontier should show a failing point"
+    best = r.chosen
+    assert best is not None and best["passes"] and best["bytes_ratio"] < 1.0
+    assert best == cheapest(r.points)
+    for p in r.points:     # every searched number came from rewritten decode graphs, one call per decode step
+        c = p["counters"]["ppl"]
+        assert c["decode_calls"] == TINY["search_prompts"] * (TINY["score_tokens"] - 1)
+        assert c["sites_rewritten"] > 0 and c["graphs_left_dense"] == 0
+    cert = r.certification
+    q = cert["quality"]["kl"]
+    assert q["n"] == TINY["certify_prompts"] and q["decode_calls"] == q["n"] * (TINY["score_tokens"] - 1)
+    assert q["counters"]["sites_rewritten"] > 0 and q["counters"]["graphs_left_dense"] == 0
+    assert q["value"] <= 0.0004, "the chosen point meets the target on its held-out prompts"
+    assert r.status == cert["status"] == "unconfirmed"           # 4 held-out prompts < 300
+    assert any("< 300" in reason for reason in cert["reasons"])
+
+    hm = HeadMap.load(r.paths["head_map"])                         # the record survives save / load
+    assert hm.recommended_budget == best["budget"] and torch.equal(hm.retrieval, r.head_map.retrieval)
+    rec = hm.calibration
+    assert rec["status"] == "unconfirmed" and rec["target"] == TARGET and rec["context_range"] == [320, 320]
+    assert rec["quality"]["kl"]["n"] == 4 and len(rec["quality"]["kl"]["interval"]) == 2
+    assert rec["bytes_per_step_vs_dense"] == best["bytes_ratio"] and len(rec["data_digest"]) == 16
+    assert rec["tool_version"].startswith("lychee_compile")
+    assert int(hm.retrieval[1:].sum()) == best["heads"] and hm.retrieval[0].all()
+    report = open(r.paths["report"]).read()
+    assert "unconfirmed" in report and f"**{best['budget']} tokens**" in report
+    assert open(r.paths["frontier"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+    again = calibrate(make("llama"), Tok(), TARGET, out, **TINY)   # same folder: everything reused
+    assert again.points_evaluated == 0 and again.scorings == 0 and again.certify_scorings == 0
+    assert again.points == r.points and again.chosen == best
+    assert HeadMap.load(again.paths["head_map"]).calibration["quality"] == rec["quality"]
+    log = [json.loads(line) for line in open(r.paths["certify_log"])]
+    assert len(log) == 2 and log[1]["quality"]["kl"]["resumed_prompts"] == 4
+
+    with pytest.raises(ValueError, match="other settings"):
+        calibrate(make("llama"), Tok(), "kl=0.001nat", out, **TINY)
+
+
+def test_walk_follows_the_staircase_and_picks_the_cheapest():
+    seen = []
+
+    def evaluate(n, b):               # passes iff n + b >= 4: monotone in both
+        seen.append((n, b))
+        return dict(heads=n, budget=b, bytes=10 * n + b, passes=n + b >= 4)
+
+    pts = walk([0, 1, 2, 3], [1, 2, 3], evaluate)
+    assert seen == [(3, 1), (2, 1), (2, 2), (1, 2), (1, 3), (0, 3)]
+    assert (cheapest(pts)["heads"], cheapest(pts)["budget"]) == (1, 3)     # bytes 13 < 22 < 31
+    assert cheapest([dict(passes=False)]) is None
+
+
+def test_targets_parse_and_bound():
+    t = QualityTarget.parse("passkey=1pt,ppl=2%,kl=0.01nat")
+    assert [str(m) for m in t.metrics] == ["passkey=1pt", "ppl=2%", "kl=0.01nat"]
+    assert t.tasks == ["passkey", "ppl"] and t.needs_kl("ppl") and not t.needs_kl("passkey")
+    pk = t.metrics[0]
+    row = dict(acc_diff_vs_ref=-0.005, acc_diff_ci=(-0.02, 0.0))
+    assert pk.meets(row) and not pk.meets(row, interval=True)
+    for bad in ("passkey=1%", "ppl=2", "foo=1pt", "ppl=2%,ppl=3%", "", "kl=-1nat"):
+        with pytest.raises(ValueError):
+            QualityTarget.parse(bad)
+
+
+def test_kv_bytes_model():
+    model = make("llama")       # 3 layers x 2 KV heads, head_dim 16, fp32
+    cfg = LycheeConfig(budget=16, block_size=4, sink_tokens=4, local_tokens=8)
+    per_pos = 2 * 16 * 4
+    dense = bytes_per_step(model.config, None, [0, 1, 2], cfg, 320, 4)
+    assert dense == 3 * 2 * 320 * per_pos
+    eff = torch.zeros(3, 2, dtype=torch.bool)
+    eff[0] = True
+    assert bytes_per_step(model.config, eff, [0, 1, 2], cfg, 320, 4) == per_pos * (2 * 320 + 4 * (4 + 8 + 16))
+    assert bytes_per_step(model.config, eff, [0, 1, 2], cfg, 20, 4) == dense * 20 / 320   # capped at T: dense
+    quest = LycheeConfig(budget=16, block_size=4, sink_tokens=4, local_tokens=8, quest="all")
+    desc = 6 * (320 // 4) * 2 * 16 * 4                     # every head reads every block's min / max
+    assert bytes_per_step(model.config, eff, [0, 1, 2], quest, 320, 4) == per_pos * 6 * 28 + desc
+    scores = torch.tensor([[0.0, 0.0], [0.9, 0.1], [0.2, 0.8]])
+    assert top_heads(scores, 2, [0, 1, 2]).tolist() == [[True, True], [True, False], [False, True]]
+    assert top_heads(scores, 1, [1, 2]).tolist() == [[False, False], [True, True], [False, True]]
+
+
+def test_batched_scoring_equals_the_harness_on_equal_lengths():
+    """batch_steps on a batch of equal-length prompts = eval's Variant.score prompt by prompt (dense and lychee)."""
+    base = make("llama")
+    torch.manual_seed(0)
+    from lychee_compile.eval.tasks import Item
+    items = [Item(torch.randint(3, 128, (1, 26)), torch.randint(3, 128, (3,)).tolist(), 40, {}) for _ in range(2)]
+    for name in ("dense", "lychee"):
+        v = Variant.build(base, method_spec(name, base, 8, _given(base), **CFG))
+        one = [v.score(dense_prefill(base, it.input_ids, it.max_cache_len), it.targets) for it in items]
+        many = batch_steps(v.sequence_call(), batch_prefill(base, items), [it.targets for it in items])
+        for a, b in zip(one, many):
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+            assert a.hits == b.hits
+
+
+def test_cli_registers_calibrate():
+    from lychee_compile.cli import build_parser
+    args = build_parser().parse_args(["calibrate", "--target", "kl=0.01nat", "--context", "1024,2048",
+                                      "--batch-size", "8", "--device", "cuda"])
+    assert args.func.__module__ == "lychee_compile.calibrate.cli" and args.batch_size == 8
+    assert build_parser().parse_args(["calibrate"]).target == "passkey=1pt,ppl=2%"
