@@ -7,7 +7,7 @@ Run on a CUDA machine:  PYTHONUNBUFFERED=1 python benchmarks/attention_bench.py 
    except where the reference's block scores tie at the threshold.
 2. Timing: median of CUDA-graph replays (each replay runs many calls back to back, rotating over enough input sets
    that each call's bytes are out of L2), for
-     ours        the two Triton kernels (split + combine/select) from lychee_compile/lowering/template.py
+     ours        the two Triton kernels (split + combine/select) of lychee_compile/lowering/kernels/
      cudnn/flash F.scaled_dot_product_attention over the valid length, enable_gqa=True, one backend forced
      gather      PyTorch hybrid: SDPA over retrieval heads' full cache + gather of the sparse heads' tokens + SDPA
                  (attention only: no block scores, no selection)
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lychee_compile.lowering.template import make_launchers, workspace  # noqa: E402
+from lychee_compile.lowering.standalone import make_launchers, workspace  # noqa: E402
 from lychee_compile.ops.reference import hybrid_decode_reference, masked_softmax, block_sum  # noqa: E402
 from lychee_compile.ops.index_state import empty_index_state  # noqa: E402
 

@@ -92,7 +92,7 @@ def graph_time(body, reps: int) -> float:
 
 
 def attention_setup(T=131072, retr=1, budget=4096):
-    from lychee_compile.lowering.template import make_launchers
+    from lychee_compile.lowering.standalone import make_launchers
     g = torch.Generator(device="cuda").manual_seed(0)
     B, Hkv, G, D, BS = 1, 8, 4, 128, 16
     q = torch.randn(B, Hkv * G, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -14,8 +14,8 @@ if not torch.cuda.is_available():  # before triton is imported anywhere
 
 triton = pytest.importorskip("triton")
 
-from lychee_compile.lowering.template import (hybrid_decode_triton, interpreting, make_launchers,  # noqa: E402
-                                              row_extent, workspace)
+from lychee_compile.lowering.constexprs import interpreting  # noqa: E402
+from lychee_compile.lowering.standalone import hybrid_decode_triton, make_launchers, row_extent, workspace  # noqa: E402
 from lychee_compile.ops.deferred_select import select_rows_reference  # noqa: E402
 from tests.test_kernel_hybrid import make_case  # noqa: E402
 from tests.test_lowering import _case, inductor_triton_on_cpu  # noqa: E402,F401  (the fixture)

@@ -129,7 +129,7 @@ def test_kernel_options_parse_and_validate():
 
 
 def test_sparse_tile_reaches_the_lowering_from_the_compile_scope():
-    from lychee_compile.lowering.template import kernel_params
+    from lychee_compile.lowering.constexprs import kernel_params
     assert sparse_tile() == {}
     with compiling(Scope(options=KernelOptions(sparse_tile=(64, 3, 2)))):
         tile = sparse_tile()
@@ -151,13 +151,13 @@ def test_codegen_key_follows_sources_and_options_and_spares_a_users_pass(monkeyp
     assert base.startswith(real) and len(real) == 64
     assert codegen_key.CodegenKey(KernelOptions(pdl_templates=False)).uuid() != base
     (tmp_path / "kernels").mkdir()
-    for name in ("template.py", "codegen_key.py", "kernels/split.py.jinja"):
+    for name in ("lower.py", "codegen_key.py", "kernels/split.py.jinja"):
         (tmp_path / name).write_text("x = 1\n")
     monkeypatch.setattr(codegen_key, "__file__", str(tmp_path / "codegen_key.py"))
     codegen_key.codegen_digest.cache_clear()
     try:
         digests = [codegen_key.codegen_digest()]
-        for name in ("template.py", "kernels/split.py.jinja"):
+        for name in ("lower.py", "kernels/split.py.jinja"):
             (tmp_path / name).write_text("x = 2\n")
             codegen_key.codegen_digest.cache_clear()
             digests.append(codegen_key.codegen_digest())

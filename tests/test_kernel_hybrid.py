@@ -1,4 +1,5 @@
-"""The hybrid decode Triton kernels (lychee_compile/lowering/template.py) against the eager reference.
+"""The hybrid decode Triton kernels (lychee_compile/lowering/kernels/, launched by lowering/standalone.py) against the
+eager reference.
 
 CPU: TRITON_INTERPRET=1 (set before triton is imported) runs the kernels on CPU tensors, small shapes.
 GPU (@pytest.mark.gpu): the same checks on CUDA at a realistic size.
@@ -17,7 +18,8 @@ from lychee_compile.ops.reference import (block_any, block_sum, hybrid_decode_re
                                           sink_local_blocks)
 from lychee_compile.ops.index_state import empty_index_state  # noqa: E402
 from lychee_compile.ops.policies import RANK_DROP_BITS, rank_score  # noqa: E402
-from lychee_compile.lowering.template import hybrid_decode_triton, interpreting, kernel_params  # noqa: E402
+from lychee_compile.lowering.constexprs import interpreting, kernel_params  # noqa: E402
+from lychee_compile.lowering.standalone import hybrid_decode_triton  # noqa: E402
 
 ON_CPU = interpreting()
 
@@ -182,14 +184,14 @@ def test_kernel_no_sink_no_local_and_empty_row():
 def test_kernel_rows_far_shorter_than_the_cache():
     # a static cache much longer than every row (the usual decode case): work and selection stop at the longest row
     # end (TVP); the block-score workspace beyond it holds NaN poison that must never be read
-    from lychee_compile.lowering import template
+    from lychee_compile.lowering import standalone
     args = make_case(2, 2, 2, 64, 512, torch.bfloat16, 16, 3, 16, 16, [(0, 70), (5, 33)], [True, False], seed=9)
-    ws = template.workspace(2, 2, 2, 64, 512, 16, 3, args[0].device)
+    ws = standalone.workspace(2, 2, 2, 64, 512, 16, 3, args[0].device)
     for name in ("BLSE", "PM", "PL", "PACC"):
         ws[name].fill_(float("nan"))
     out, idx = check(*args, 0.125, 16, 16, 16, num_splits=3, ws=ws)
     assert idx.max() < 70 // 16 + 1
-    ext = template.row_extent(args[3])
+    ext = standalone.row_extent(args[3])
     assert ext["ROWLO"].tolist() == [0, 5] and ext["ROWHI"].tolist() == [70, 33] and ext["TVP"].tolist() == [70]
 
 
@@ -202,12 +204,12 @@ def test_kernel_fewer_candidates_than_slots():
 
 def test_kernel_head_map_is_runtime_data():
     # one kernel configuration serves two different head maps (no recompilation keyed on `retrieval`)
-    from lychee_compile.lowering import template
-    before = template._standalone.cache_info().currsize
+    from lychee_compile.lowering import standalone
+    before = standalone._standalone.cache_info().currsize
     for retr in ([True, False, False, True], [False, True, True, False]):
         args = make_case(1, 4, 2, 64, 128, torch.bfloat16, 16, 2, 16, 16, [(0, 128)], retr, seed=11)
         check(*args, 0.125, 16, 16, 16, num_splits=4)
-    assert template._standalone.cache_info().currsize - before <= 2
+    assert standalone._standalone.cache_info().currsize - before <= 2
 
 
 # selection policies (issue 7): every value the acceptance asks for, on one case per dtype and group size
@@ -311,7 +313,7 @@ def test_select_exact_on_crafted_keys(tmp_path, monkeypatch):
     # must equal a plain sort (larger key first, ties to the lower block), ascending, EMPTY-padded
     if not ON_CPU:
         pytest.skip("runs the selection alone under the Triton interpreter")
-    from lychee_compile.lowering.template import render_standalone
+    from lychee_compile.lowering.standalone import render_standalone
     _, cp = kernel_params(G=2, Hkv=2, D=64, K_sel=8, block_size=16, sink_tokens=16, local_tokens=32, scale=0.1,
                           num_splits=4, nb_hint=16)
     fn, _, _ = render_standalone("combine", cp)
@@ -399,15 +401,15 @@ def test_kernel_mass_variant_gpu(seed):
 def check_mass(B, Hkv, G, D, T, dtype, bs, K, sink, local, pads, retr, ns, kx, device, seed, **kw):
     """The mass variant vs the reference: outputs, index state (exact), per-block mass (poisoned first, so every
     element must be written), the same attended blocks."""
-    from lychee_compile.lowering import template
+    from lychee_compile.lowering import standalone
     if device == "cpu" and not ON_CPU:
         pytest.skip("CPU tensors need the Triton interpreter")
     q, k, v, valid, retrieval, idx_in = make_case(B, Hkv, G, D, T, dtype, bs, K, sink, local, pads, retr,
                                                   device=device, seed=seed)
     nb = -(-T // bs)
     extra = random_extra(idx_in.cpu(), nb, kx, seed=seed + 1)
-    ns = ns or template._default_num_splits(q.device)
-    ws = template.workspace(B, Hkv, G, D, T, bs, ns, q.device)
+    ns = ns or standalone._default_num_splits(q.device)
+    ws = standalone.workspace(B, Hkv, G, D, T, bs, ns, q.device)
     ws["MASSO"] = torch.full((B, Hkv, nb), float("nan"), device=q.device)         # every element must be written
     out, idx_out, mass = hybrid_decode_triton(q, k, v, valid, retrieval, idx_in, D ** -0.5, bs, sink, local,
                                               num_splits=ns, extra=extra.to(q.device), ws=ws, **kw)

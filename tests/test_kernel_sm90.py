@@ -29,7 +29,8 @@ CONFIGS = [
 
 SCRIPT = r"""
 import json, sys
-from lychee_compile.lowering.template import kernel_params, cross_compile
+from lychee_compile.lowering.constexprs import kernel_params
+from lychee_compile.lowering.standalone import cross_compile
 res = []
 for G, Hkv, D, K, dt, nb, policy, param, *kx in json.loads(sys.argv[1]):
     sp, cp = kernel_params(G=G, Hkv=Hkv, D=D, K_sel=K, block_size=16, sink_tokens=16, local_tokens=64,

@@ -6,7 +6,7 @@
 After `register()`, every `lychee::hybrid_decode` (and `lychee::hybrid_decode_mass`, the variant heat and Quest
 build on) node that Inductor compiles for CUDA (or for CPU with
 `torch._inductor.config.cpu_backend = "triton"`, tests only) with bf16/fp16 q/k/v becomes two Triton kernels
-(split + combine/select, see template.py; every selection policy); anything else (fp32, other devices, Quest modes)
+(split + combine/select, see kernel_source.py; every selection policy); anything else (fp32, other devices, Quest modes)
 keeps the eager reference as an extern kernel. `unregister()` restores the default (extern) handling.
 """
 from __future__ import annotations

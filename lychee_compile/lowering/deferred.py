@@ -1,5 +1,5 @@
-"""CUDA runtime of the deferred selection (ops/deferred_select.py): one side stream per device, the fork that
-launches lychee_select_rows on it, and the join.
+"""CUDA runtime of the deferred selection (ops/deferred_select.py): its kernel lychee_select_rows (select_kernel,
+launch_select), one side stream per device, the fork that launches the kernel on it, and the join.
 
 The fork: the side stream waits for the current stream (the combine that wrote the keys), runs the kernel, and
 records an event, kept under (device, address of the index state). The join (index_ready): the current stream
@@ -9,9 +9,13 @@ one program per selecting head gets an SM while the main stream's products fill 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from .template import launch_select, selection_constexprs
+from .constexprs import SELECT_CONSTEXPRS, selection_constexprs
+from .kernel_module import load_module
+from .kernel_source import SELECT_SOURCE
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
 _PENDING: dict[tuple[int, int], torch.cuda.Event] = {}
@@ -23,6 +27,21 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
         high = torch.cuda.Stream.priority_range()[1] if hasattr(torch.cuda.Stream, "priority_range") else -1
         _SIDE[index] = torch.cuda.Stream(device=index, priority=high)
     return _SIDE[index]
+
+
+@functools.lru_cache(maxsize=None)
+def select_kernel():
+    """The deferred selection's @triton.jit kernel lychee_select_rows (kernels/select_rows.py.jinja plus the
+    selection helpers), loaded from a file (Triton's JIT needs the source on disk)."""
+    return load_module("select", SELECT_SOURCE).lychee_select_rows
+
+
+def launch_select(keys, rowlo, rowhi, tvp, retr8, sel8, idx_out, cp: dict, num_warps: int = 16):
+    """lychee_select_rows over grid (B * Hkv,) with the combine's constexprs `cp` (kernel_params).
+    keys int32 [B, Hkv, NB] contiguous; idx_out int32 [B, Hkv, K] (any strides)."""
+    B, Hkv, nb = keys.shape
+    select_kernel()[(B * Hkv,)](keys, rowlo, rowhi, tvp, retr8, sel8, idx_out, nb, *idx_out.stride(),
+                                **{c: cp[c] for c in SELECT_CONSTEXPRS}, num_warps=num_warps, num_stages=1)
 
 
 def launch_select_rows(keys, idx, rowlo, rowhi, tvp, retrieval, select, block_size, group, policy, policy_param,

@@ -1,5 +1,5 @@
 """Inductor lowering of `lychee::hybrid_decode` (and `lychee::hybrid_decode_mass`, the mass variant heat and Quest
-build on) to the two Triton templates of template.py.
+build on) to the two Triton templates of kernel_source.py (kernels/*.py.jinja).
 
 Private Inductor names come only through compat.py. Sizes: B (batch) and T (cache length) stay symbolic (kernel
 arguments; the grids are symbolic in them); Hq, Hkv, D and the index width K are guarded static (they are
@@ -13,8 +13,8 @@ import torch
 from ..ops.op_arguments import arg_names, bind
 from . import compat
 from .compile import pdl_templates, sparse_tile
-from .template import (COMBINE_MASS_SOURCE, COMBINE_SOURCE, SPLIT_MASS_SOURCE, SPLIT_SOURCE, combine_num_warps,
-                       interpreting, kernel_params)
+from .constexprs import combine_num_warps, interpreting, kernel_params
+from .kernel_source import COMBINE_MASS_SOURCE, COMBINE_SOURCE, SPLIT_MASS_SOURCE, SPLIT_SOURCE
 
 OP = torch.ops.lychee.hybrid_decode.default
 MASS_OP = torch.ops.lychee.hybrid_decode_mass.default     # heat and Quest build on it (ops/heat.py, quest_decode.py)
@@ -83,7 +83,7 @@ def _row_inputs(valid, T, device):
 def _row_extent(valid, T, device):
     """ROWLO, ROWHI int32 [B] (first valid position, one past the last; (0, 0) for an empty row) and TVP int32 [1]
     (the longest row end) as Inductor IR: reductions over VALID once per layer instead of every kernel program
-    scanning the row. template.row_extent is the eager twin."""
+    scanning the row. standalone.row_extent is the eager twin."""
     aten, L = torch.ops.aten, compat.lowerings
     pos = L[torch.ops.prims.iota.default](T, start=0, step=1, dtype=torch.int32, device=device,
                                           requires_grad=False)                              # [T]

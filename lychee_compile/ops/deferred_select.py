@@ -10,7 +10,7 @@ reader. Inside a CUDA graph the pair is a fork and a join of two branches.
 
     select_rows(keys, idx, rowlo, rowhi, tvp, retrieval, select, block_size, group, policy, policy_param,
                 nb_hint) -> ()
-        keys     int32 [B, Hkv, NB]  the combine's selection keys (lowering/template.py glossary: KEYS): fp32 bits of
+        keys     int32 [B, Hkv, NB]  the combine's selection keys (lowering/kernels/glossary.py.jinja: KEYS): fp32 bits of
                                      the ranked block score for candidates (>= 0), bits of -score for sink / local
                                      blocks (< -1), -1 for the rest
         idx      int32 [B, Hkv, K]   index state (ops/index_state.py), MUTATED: row (b, h) with retrieval[h] and

@@ -10,9 +10,9 @@ capacity of the index state, so kernels and CUDA graphs see a static size; unuse
     threshold  keep candidates whose mass is >= tau
     ratio      keep ceil(theta * valid blocks)
 
-Codes are ints so they travel as op arguments. The Triton combine kernel (lowering/template.py: _lychee_keep_count)
-computes the same n on the device; its topp sums the masses in another order than cumsum, so a prefix sum within fp32
-rounding of p can end one block apart there.
+Codes are ints so they travel as op arguments. The Triton combine kernel (lowering/kernels/selection_helpers.py.jinja:
+_lychee_keep_count) computes the same n on the device; its topp sums the masses in another order than cumsum, so a
+prefix sum within fp32 rounding of p can end one block apart there.
 """
 from __future__ import annotations
 
