@@ -62,15 +62,16 @@ def active() -> Scope | None:
 
 
 def _compiling_table():
-    return [(compat.TritonKernel, "_filter_pdl", _pdl_waits),
-            (compat.ForeachKernelSchedulerNode, "group_algorithm_for_combo_kernels", _combo_groups)]
+    """(owner, attribute, name of its replacement in this module)."""
+    return [(compat.TritonKernel, "_filter_pdl", "_pdl_waits"),
+            (compat.ForeachKernelSchedulerNode, "group_algorithm_for_combo_kernels", "_combo_groups")]
 
 
 def _running_table(scope: Scope):
-    table = [(compat.CachingAutotuner, "coordinate_descent_tuning", _tune),
-             (compat.CachingAutotuner, "bench", _bench)]
+    table = [(compat.CachingAutotuner, "coordinate_descent_tuning", "_tune"),
+             (compat.CachingAutotuner, "bench", "_bench")]
     if scope.cuda_graphs and scope.no_blas_workspace:
-        table.append((compat.CUDAGraphNode, "_record", _record))
+        table.append((compat.CUDAGraphNode, "_record", "_record"))
     return table
 
 
@@ -98,7 +99,7 @@ def _replaced(table, scope: Scope):
         key = (owner, attr)
         if not _DEPTH.get(key):
             _SAVED[key] = (owner.__dict__.get(attr, _MISSING), getattr(owner, attr))
-            setattr(owner, attr, globals()[new.__name__])      # by name: a benchmark may wrap it
+            setattr(owner, attr, globals()[new])      # looked up now: a benchmark may have wrapped it
         _DEPTH[key] = _DEPTH.get(key, 0) + 1
     _ACTIVE.append(scope)
     try:
