@@ -46,8 +46,11 @@ def _eager_decode_cache(args, kwargs):
 
 def _is_dynamic_decode(args, kwargs) -> bool:
     """A decode step (one query token) on a DynamicCache, called outside Dynamo."""
+    cache = _eager_decode_cache(args, kwargs)
+    if cache is None:       # also every call Dynamo traces: torch 2.11's Dynamo cannot import from a lazy module
+        return False
     from transformers import DynamicCache
-    return isinstance(_eager_decode_cache(args, kwargs), DynamicCache)
+    return isinstance(cache, DynamicCache)
 
 
 def _is_beam_decode(model, args, kwargs) -> bool:
