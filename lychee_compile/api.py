@@ -37,6 +37,7 @@ class LycheeState:
         self.config, self.head_map, self.retrieval = config, head_map, retrieval
         self.global_layers, self.counters, self.backend = global_layers, counters, backend
         self.snapshots = snapshots     # graph_snapshot() text of each rewritten decode graph
+        self.budget_from_map = False   # config.budget was None: resolved from the head map (set_head_map checks it)
 
 
 def lychee_compile(model, head_map, config: LycheeConfig | None = None):
@@ -52,6 +53,9 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     if not isinstance(head_map, HeadMap):
         raise HeadMapError(f"head_map must be a HeadMap or a path to one, got {type(head_map).__name__}.")
     head_map.validate_for(model, config.strict)
+    budget_from_map = config.budget is None
+    config, budget = config.with_budget_for(head_map)
+    log.info("lychee_compile: %s", budget)
     asked = config.cuda_graphs
     config, graphs = config.resolved_for(model.device)
     # a CUDA model decoding without CUDA graphs is the slow path: a warning where that was not asked for
@@ -73,6 +77,7 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     dynamic_backend = backend_for(dataclasses.replace(config, cuda_graphs=False)) if config.cuda_graphs else backend
     install(model, config, backend, dynamic_backend, linear_groups, retrieval[global_layers], global_layers, counters)
     setattr(model, STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend, snapshots))
+    state_of(model).budget_from_map = budget_from_map
     return model
 
 
@@ -89,9 +94,25 @@ def set_head_map(model, head_map) -> None:
     if not torch.equal(head_map.streaming, state.head_map.streaming):
         raise HeadMapError("set_head_map can change retrieval/sparse kinds only; streaming heads change the graph "
                            "(they inherit nothing). Compile a fresh model for a different streaming map.")
+    _check_budget_for(state, head_map)
     retrieval = head_map.effective(state.global_layers, state.config.first_layer_retrieval)
     write_kinds(model, retrieval[state.global_layers])
     state.head_map, state.retrieval = head_map, retrieval
+
+
+def _check_budget_for(state, head_map) -> None:
+    """The budget is compiled into the graph: a calibrated map recommending another budget than the one the model
+    was compiled with (where the config left it to the map) would run below its calibration -- refused in strict
+    mode, logged otherwise."""
+    recommended = head_map.recommended_budget
+    if not state.budget_from_map or recommended is None or recommended == state.config.budget:
+        return
+    message = (f"the new head map was calibrated for budget {recommended} tokens, but this model was compiled with "
+               f"{state.config.budget} (from its first map): the budget is compiled in. Compile a fresh model with "
+               "this map, or pass LycheeConfig(budget=...) to choose it yourself.")
+    if state.config.strict:
+        raise HeadMapError(message)
+    log.warning("lychee_compile: %s", message)
 
 
 def state_of(model) -> LycheeState:

@@ -13,6 +13,9 @@ import math
 from .errors import LycheeConfigError
 
 
+DEFAULT_BUDGET = 1024      # tokens per sparse head where neither the config nor a calibrated head map sets one
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
     """How the rewritten decode step is generated on CUDA (no effect on values, only on speed; the defaults are the
@@ -76,8 +79,10 @@ class KernelOptions:
 
 @dataclasses.dataclass(frozen=True)
 class LycheeConfig:
-    # Tokens each sparse head may attend to beyond sink/local (rounded up to whole blocks).
-    budget: int = 1024
+    # Tokens each sparse head may attend to beyond sink/local (rounded up to whole blocks). None (default): the head
+    # map's recommended budget where `lychee calibrate` made it (HeadMap.recommended_budget), else DEFAULT_BUDGET;
+    # lychee_compile resolves it (with_budget_for) and logs which.
+    budget: int | None = None
     # Tokens per block; blocks are aligned to absolute position 0. Power of two.
     block_size: int = 16
     # First `sink_tokens` valid positions of a row are always attended (their blocks, outside the budget).
@@ -138,27 +143,28 @@ class LycheeConfig:
 
     def __post_init__(self) -> None:
         for name in ("budget", "block_size", "sink_tokens", "local_tokens"):
-            value = getattr(self, name)
+            value = self.resolved_budget if name == "budget" else getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 if isinstance(value, float) and math.isnan(value):
                     raise LycheeConfigError(f"LycheeConfig.{name} is NaN; give a positive integer number of tokens.")
                 raise LycheeConfigError(
                     f"LycheeConfig.{name} must be an int, got {type(value).__name__} {value!r}.")
-        if self.budget <= 0:
-            raise LycheeConfigError(f"LycheeConfig.budget must be > 0 tokens, got {self.budget}. "
+        budget = self.resolved_budget
+        if budget <= 0:
+            raise LycheeConfigError(f"LycheeConfig.budget must be > 0 tokens, got {budget}. "
                                     "Use e.g. budget=1024; budget >= context length makes attention dense.")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise LycheeConfigError(f"LycheeConfig.block_size must be a power of two, got {self.block_size}.")
-        if self.block_size > self.budget:
+        if self.block_size > budget:
             raise LycheeConfigError(f"LycheeConfig.block_size ({self.block_size}) is larger than the budget "
-                                    f"({self.budget}): not even one block fits. Lower block_size or raise budget.")
+                                    f"({budget}): not even one block fits. Lower block_size or raise budget.")
         if self.sink_tokens < 0 or self.local_tokens < 0:
             raise LycheeConfigError("LycheeConfig.sink_tokens and local_tokens must be >= 0, got "
                                     f"{self.sink_tokens} and {self.local_tokens}.")
-        if self.sink_tokens + self.local_tokens > self.budget:
+        if self.sink_tokens + self.local_tokens > budget:
             raise LycheeConfigError(
                 f"sink_tokens + local_tokens ({self.sink_tokens} + {self.local_tokens}) exceeds the budget "
-                f"({self.budget}): the always-attended tokens would cost more than the whole budget. "
+                f"({budget}): the always-attended tokens would cost more than the whole budget. "
                 "Lower them or raise the budget.")
         from .ops.policies import POLICIES
         if self.selection not in POLICIES:
@@ -239,9 +245,26 @@ class LycheeConfig:
         return QUEST_MODES[self.quest]
 
     @property
+    def resolved_budget(self) -> int:
+        """budget, or DEFAULT_BUDGET where it is None (lychee_compile resolves None from the head map first)."""
+        return DEFAULT_BUDGET if self.budget is None else self.budget
+
+    def with_budget_for(self, head_map) -> tuple["LycheeConfig", str]:
+        """This config with budget=None replaced by the head map's recommended budget (a calibrated map), else
+        DEFAULT_BUDGET; and where the budget came from, as a sentence for the log."""
+        if self.budget is not None:
+            return self, f"budget {self.budget} tokens (as configured)"
+        recommended = head_map.recommended_budget
+        if recommended is None:
+            return dataclasses.replace(self, budget=DEFAULT_BUDGET), f"budget {DEFAULT_BUDGET} tokens (the default)"
+        status = (head_map.calibration or {}).get("status", "?")
+        return (dataclasses.replace(self, budget=recommended),
+                f"budget {recommended} tokens (recommended by the head map's calibration, {status})")
+
+    @property
     def num_select(self) -> int:
         """Blocks a retrieval head selects: ceil(budget / block_size). The index-state width K."""
-        return -(-self.budget // self.block_size)
+        return -(-self.resolved_budget // self.block_size)
 
     def cache_key(self) -> str:
         blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
