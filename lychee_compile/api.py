@@ -1,7 +1,8 @@
 """lychee_compile(model, head_map, config): the one entry point.
 
 Order of work, so that bad input never leaves a half-changed model:
-  1. validate config, model and head map (pure checks);
+  1. validate config, model and head map (pure checks); under tensor parallelism (tensor_parallel.py) steps 1-2
+     and the KV-head check after the probe run on every rank, and one rank's error is raised on all of them;
   2. probe: one tiny generate() through a detect-only backend, run on a copy of nothing -- the model's own weights,
      its state restored afterwards -- which finds every attention site and refuses unsupported forms;
   3. only then change the model: a static cache and a CompileConfig with our backend in its generation config, so a
@@ -24,6 +25,7 @@ from .dynamic_cache import fresh_call
 from .head_map import HeadMap
 from .install import STATE_ATTR, install
 from .state_buffers import write_kinds
+from .tensor_parallel import agreed, kv_shard, process_group
 from .passes import Counters, PassContext, run_passes
 from .passes.fuse_linears import sibling_groups
 
@@ -38,9 +40,55 @@ class LycheeState:
         self.global_layers, self.counters, self.backend = global_layers, counters, backend
         self.snapshots = snapshots     # graph_snapshot() text of each rewritten decode graph
         self.budget_from_map = False   # config.budget was None: resolved from the head map (set_head_map checks it)
+        # tensor parallelism (tensor_parallel.py): this rank's KV heads; None in one process. head_map stays global,
+        # retrieval holds this rank's columns of the effective map (what its ops use)
+        self.shard = None
 
 
 def lychee_compile(model, head_map, config: LycheeConfig | None = None):
+    # Tensor parallel: every rank checks, and one rank's error is raised on all of them (tensor_parallel.agreed)
+    group = process_group(model)
+    config, head_map, budget_from_map, budget = agreed(group, lambda: _validated(model, head_map, config),
+                                                       same=lambda r: (r[0].cache_key(), r[1].digest()))
+    info = log.info if _is_lead(group) else log.debug      # one summary, from rank 0
+    info("lychee_compile: %s", budget)
+    asked = config.cuda_graphs
+    config, graphs = config.resolved_for(model.device)
+    # a CUDA model decoding without CUDA graphs is the slow path: a warning where that was not asked for
+    slow = model.device.type == "cuda" and not config.cuda_graphs and asked is None
+    (log.warning if slow else info)("lychee_compile: %s", graphs)
+
+    global_layers, linear_groups, sites = agreed(group, lambda: probe_global_layers(model, config))
+    shard = agreed(group, lambda: kv_shard(model, sites, head_map.shape[1], group, config.strict))
+    if config.rectify_every and len(global_layers) != model.config.num_hidden_layers:
+        raise LycheeConfigError("rectify_every needs every layer to be global: sliding-window layers keep ring "
+                                "buffers whose slots cannot be re-encoded in place. Use rectify_every=0 here.")
+    retrieval = head_map.effective(global_layers, config.first_layer_retrieval)
+    streaming = head_map.streaming
+    if shard is not None:
+        info("lychee_compile: %s", shard.describe())
+        retrieval, streaming = shard.columns(retrieval), shard.columns(streaming)
+        if config.fuse_linears and not linear_groups:
+            info("lychee_compile: fuse_linears skipped: the decode graph's linears read DTensor shards, not the "
+                 "model's parameters")
+    counters = Counters()
+    snapshots: list[str] = []
+
+    def backend_for(cfg):
+        return make_backend(model, cfg, retrieval, streaming, counters, head_map.digest(), snapshots)
+    backend = backend_for(config)
+    # A DynamicCache grows every step: its decode steps compile without CUDA graphs (a graph for every length)
+    dynamic_backend = backend_for(dataclasses.replace(config, cuda_graphs=False)) if config.cuda_graphs else backend
+    install(model, config, backend, dynamic_backend, linear_groups, retrieval[global_layers], global_layers, counters)
+    setattr(model, STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend, snapshots))
+    state_of(model).budget_from_map = budget_from_map
+    state_of(model).shard = shard
+    return model
+
+
+def _validated(model, head_map, config):
+    """(config, head map, whether the budget came from the map, the budget's log line) after the pure checks of
+    config, model and head map."""
     config = LycheeConfig() if config is None else config
     if not isinstance(config, LycheeConfig):
         raise LycheeConfigError(f"config must be a LycheeConfig, got {type(config).__name__}.")
@@ -55,30 +103,7 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     head_map.validate_for(model, config.strict)
     budget_from_map = config.budget is None
     config, budget = config.with_budget_for(head_map)
-    log.info("lychee_compile: %s", budget)
-    asked = config.cuda_graphs
-    config, graphs = config.resolved_for(model.device)
-    # a CUDA model decoding without CUDA graphs is the slow path: a warning where that was not asked for
-    slow = model.device.type == "cuda" and not config.cuda_graphs and asked is None
-    (log.warning if slow else log.info)("lychee_compile: %s", graphs)
-
-    global_layers, linear_groups = probe_global_layers(model, config)
-    if config.rectify_every and len(global_layers) != model.config.num_hidden_layers:
-        raise LycheeConfigError("rectify_every needs every layer to be global: sliding-window layers keep ring "
-                                "buffers whose slots cannot be re-encoded in place. Use rectify_every=0 here.")
-    retrieval = head_map.effective(global_layers, config.first_layer_retrieval)
-    counters = Counters()
-    snapshots: list[str] = []
-
-    def backend_for(cfg):
-        return make_backend(model, cfg, retrieval, head_map.streaming, counters, head_map.digest(), snapshots)
-    backend = backend_for(config)
-    # A DynamicCache grows every step: its decode steps compile without CUDA graphs (a graph for every length)
-    dynamic_backend = backend_for(dataclasses.replace(config, cuda_graphs=False)) if config.cuda_graphs else backend
-    install(model, config, backend, dynamic_backend, linear_groups, retrieval[global_layers], global_layers, counters)
-    setattr(model, STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend, snapshots))
-    state_of(model).budget_from_map = budget_from_map
-    return model
+    return config, head_map, budget_from_map, budget
 
 
 def set_head_map(model, head_map) -> None:
@@ -86,6 +111,16 @@ def set_head_map(model, head_map) -> None:
     ops (the `_lychee_kinds` buffer, ops/state.py), so nothing recompiles and a captured CUDA graph replays with the
     new kinds. Validated like lychee_compile's map; on error the model keeps its old map."""
     state = state_of(model)
+    group = None if state.shard is None else state.shard.group
+    head_map = agreed(group, lambda: _validated_swap(model, state, head_map), same=HeadMap.digest)
+    retrieval = head_map.effective(state.global_layers, state.config.first_layer_retrieval)
+    if state.shard is not None:
+        retrieval = state.shard.columns(retrieval)
+    write_kinds(model, retrieval[state.global_layers])
+    state.head_map, state.retrieval = head_map, retrieval
+
+
+def _validated_swap(model, state, head_map) -> HeadMap:
     if isinstance(head_map, (str, os.PathLike)):
         head_map = HeadMap.load(head_map)
     if not isinstance(head_map, HeadMap):
@@ -95,9 +130,7 @@ def set_head_map(model, head_map) -> None:
         raise HeadMapError("set_head_map can change retrieval/sparse kinds only; streaming heads change the graph "
                            "(they inherit nothing). Compile a fresh model for a different streaming map.")
     _check_budget_for(state, head_map)
-    retrieval = head_map.effective(state.global_layers, state.config.first_layer_retrieval)
-    write_kinds(model, retrieval[state.global_layers])
-    state.head_map, state.retrieval = head_map, retrieval
+    return head_map
 
 
 def _check_budget_for(state, head_map) -> None:
@@ -149,9 +182,9 @@ def _check_model(model) -> None:
                                  "model with attn_implementation='sdpa' or 'eager'.")
 
 
-def probe_global_layers(model, config: LycheeConfig) -> tuple[list[int], list]:
-    """Trace one decode step through the detect/check passes only; returns the global layers and the decode graph's
-    sibling-linear groups (passes/fuse_linears.py). Raises on problems."""
+def probe_global_layers(model, config: LycheeConfig) -> tuple[list[int], list, list]:
+    """Trace one decode step through the detect/check passes only; returns the global layers, the decode graph's
+    sibling-linear groups (passes/fuse_linears.py) and its global attention sites. Raises on problems."""
     counters = Counters()
     found: list[PassContext] = []
     groups: list = []
@@ -189,7 +222,14 @@ def probe_global_layers(model, config: LycheeConfig) -> tuple[list[int], list]:
     if not decode:
         raise LycheeCompileError("the probe generate() never compiled a decode step, so no attention could be "
                                  "checked; is this a transformers causal LM that supports a static cache?")
-    return sorted(s.layer_idx for s in decode[0].sites if s.kind == "global"), groups
+    sites = [s for s in decode[0].sites if s.kind == "global"]
+    return sorted(s.layer_idx for s in sites), groups, sites
+
+
+def _is_lead(group) -> bool:
+    """Whether this process logs lychee_compile's summary: rank 0 of a tensor-parallel group, or the only one."""
+    import torch.distributed as dist
+    return group is None or dist.get_rank(group) == 0
 
 
 def _unwrap(exc: BaseException) -> BaseException:

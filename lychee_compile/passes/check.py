@@ -42,9 +42,10 @@ def check_coverage(ctx: PassContext) -> None:
                          "model.config.sliding_window = None first.")
         return
     if ctx.retrieval is not None:
-        hkv = {s.kv_k.meta["example_value"].shape[1] for s in global_sites}
+        # ctx.retrieval has this rank's columns under tensor parallelism (tensor_parallel.py): compared as such
+        hkv = {s.kv_heads() for s in global_sites}
         if hkv != {ctx.retrieval.shape[1]}:
-            ctx.refuse_graph(f"the graph's global layers have {sorted(hkv)} KV heads but the head map has "
-                             f"{ctx.retrieval.shape[1]}")
+            ctx.refuse_graph(f"the graph's global layers have {sorted(hkv)} KV heads but the head map (this "
+                             f"process's KV heads of it) has {ctx.retrieval.shape[1]}")
             return
     c.sites_sliding += sum(s.kind == "sliding" for s in ctx.sites)

@@ -47,6 +47,10 @@ class Site:
     # (Quest's op writes its slot in place and returns none)
     slot_out: dict[str, torch.fx.Node] = dataclasses.field(default_factory=dict)
 
+    def kv_heads(self) -> int:
+        """Hkv of the K the attention reads (after canonicalize): this process's KV heads at the site."""
+        return int(self.kv_k.meta["example_value"].shape[1])
+
     def describe(self) -> str:
         where = f"layer {self.layer_idx}" if self.layer_idx is not None else (self.module_path or "?")
         return f"{self.form} attention at {where} (node {self.output.name})"
