@@ -164,13 +164,21 @@ def kernel_run(arch, config, ids, mask, steps, refs: ReferenceCalls, log: Loweri
     return seq, logits
 
 
-def reference_run(arch, config, ids, mask, steps, tokens, refs: ReferenceCalls, device: str):
+def reference_run(arch, config, ids, mask, steps, tokens, refs: ReferenceCalls, device: str, monkeypatch,
+                  backend: str = "inductor"):
     """The model on the op's eager reference, teacher-forced to `tokens` (the kernel run's sequences): (logits,
-    the recorded sites, the sparsity summary, the number of global layers)."""
-    model = _model(arch, device, dataclasses.replace(config, backend="eager"))
+    the recorded sites, the sparsity summary, the number of global layers). Compiled by Inductor like the kernel run,
+    with every hybrid_decode site lowered to the reference (an extern call): the rest of the step is fused and
+    rounded as in the kernel run, so the logits differ by the attention op alone (an eager bf16 model rounds every
+    op's output and drifts by more than the op's own error). backend="eager": the op's reference in an eager model
+    (the CPU check of this machinery)."""
+    from torch._inductor import config as inductor_config
+    from lychee_compile.lowering import lower
+    model = _model(arch, device, dataclasses.replace(config, backend=backend, cuda_graphs=False))
     forced = LogitsProcessorList([ForcedTokens(tokens)])
     refs.recording, refs.sites = True, []
-    with collect_sparsity() as sparsity:
+    with monkeypatch.context() as m, inductor_config.patch(fx_graph_cache=False), collect_sparsity() as sparsity:
+        m.setattr(lower, "_unsupported", lambda *args: True)
         seq, logits = generate_logits(model, ids, mask, steps, logits_processor=forced)
     refs.recording = False
     n_global = len(state_of(model).global_layers)
@@ -245,7 +253,8 @@ def compare_kernels_with_reference(arch: str, monkeypatch, device="cuda", length
     ids, mask = (x.to(device) for x in make_batch(lengths=lengths))
     refs, log = ReferenceCalls(monkeypatch), LoweringLog(monkeypatch)
     seq, logits = kernel_run(arch, config, ids, mask, steps, refs, log)
-    ref_logits, sites, sparsity, n_global = reference_run(arch, config, ids, mask, steps, seq, refs, device)
+    ref_logits, sites, sparsity, n_global = reference_run(arch, config, ids, mask, steps, seq, refs, device,
+                                                          monkeypatch)
     assert_logits_close(report, logits, ref_logits)
     assert sparsity["attended"] and sparsity["kept_blocks"], f"no sparse head or no read selection: {sparsity}"
     report.attended_max = sparsity["attended"]["max"]
@@ -292,7 +301,8 @@ def test_comparison_logic_on_cpu(monkeypatch):
     config = LycheeConfig(**CFG)
     model = _model("qwen2_gqa7", "cpu", dataclasses.replace(config, backend="eager"))
     seq, logits = generate_logits(model, ids, mask, 4)
-    ref_logits, sites, sparsity, n_global = reference_run("qwen2_gqa7", config, ids, mask, 4, seq, refs, "cpu")
+    ref_logits, sites, sparsity, n_global = reference_run("qwen2_gqa7", config, ids, mask, 4, seq, refs, "cpu",
+                                                          monkeypatch, backend="eager")
     report = Report("cpu")
     assert_logits_close(report, logits, ref_logits)
     assert report.max_logit_diff == 0.0 and report.tokens_agree == (8, 8)
