@@ -1,6 +1,7 @@
 """Issue 4 benchmark: one layer of hybrid decode attention, Llama-3-8B shapes (32 q / 8 KV heads, d=128, bf16).
 
 Run on a CUDA machine:  PYTHONUNBUFFERED=1 python benchmarks/attention_bench.py --out DIR [--quick]
+                        [--head-dim 96]   (another head dim for every row, e.g. Phi-3's 96, padded inside the kernels)
 
 1. Correctness first: random bf16 inputs (fresh per check, never zeros), outputs poisoned (NaN / -7) before the run,
    every element must be written; out vs the eager reference (fp32 math) by relative L2 norm; idx_out identical
@@ -37,6 +38,12 @@ HQ, HKV, D = 32, 8, 128
 G = HQ // HKV
 BS, SINK, LOCAL = 16, 16, 64
 L2_BYTES = 50 * 2 ** 20
+
+
+def set_head_dim(d: int) -> None:
+    """Every row's head dim (the module's D; Llama-3-8B's 128 unless --head-dim)."""
+    global D
+    D = d
 
 
 def rand(*shape, device="cuda", dtype=torch.bfloat16):
@@ -190,7 +197,7 @@ def bench_config(T, B, n_retr, budget, bw, variants=None, time_baselines=True, c
     retrieval = torch.zeros(HKV, dtype=torch.bool, device=dev)
     retrieval[:n_retr] = True
     idx_in = random_index(B, T, K, dev)
-    row = dict(T=T, cap=cap, B=B, n_retr=n_retr, share=n_retr / HKV, budget=budget, n_sets=n_sets,
+    row = dict(T=T, cap=cap, B=B, D=D, n_retr=n_retr, share=n_retr / HKV, budget=budget, n_sets=n_sets,
                ours_bytes=ours_bytes, dense_bytes=kv_bytes_full)
     row["floor_ours_ms"] = ours_bytes / bw * 1e3
     row["floor_dense_ms"] = kv_bytes_full / bw * 1e3
@@ -300,7 +307,10 @@ def main():
     ap.add_argument("--rows", default=None, help="only these rows: T:B:n_retr:budget[:cap],... (cap = cache length "
                     "the T valid tokens sit in, default T)")
     ap.add_argument("--plot", default=None, metavar="JSON", help="only redraw the plot of a results JSON (no GPU)")
+    ap.add_argument("--head-dim", type=int, default=D, help="head dim of every row (default 128; e.g. 96 for Phi-3: "
+                    "the kernels pad it to a power of two inside; bytes and floors count the true head dim)")
     args = ap.parse_args()
+    set_head_dim(args.head_dim)
     os.makedirs(args.out, exist_ok=True)
     if args.plot:
         with open(args.plot) as f:
@@ -325,6 +335,9 @@ def main():
             dict(B=1, Hkv=2, Gq=8, Dh=128, T=6000, K=64, retr=[True, False], pads=[(0, 6000)], dtype=torch.float16),
             dict(B=1, Hkv=8, Gq=4, Dh=128, T=131072, K=256, retr=[True, True] + [False] * 6, pads=[(0, 131072)]),
             dict(B=1, Hkv=8, Gq=4, Dh=128, T=20000, K=128, retr=[True] * 8, pads=[(0, 20000)], nbr_max=256),
+            dict(B=2, Hkv=8, Gq=4, Dh=96, T=8192 + 77, K=128, retr=[True, False] * 4, pads=[(0, 8269), (901, 8269)]),
+            dict(B=1, Hkv=32, Gq=1, Dh=80, T=6000, K=64, retr=[True] * 4 + [False] * 28, pads=[(0, 6000)],
+                 dtype=torch.float16),
         ]:
             results["checks"].append(check_once(**c))
         print("all checks passed:", all(c["passed"] for c in results["checks"]), flush=True)
@@ -366,7 +379,7 @@ def main():
         r = bench_config(T, B, nr, bud, bw, cache=cache, parts=(bud == 4096 or bool(args.rows)),
                          cap=cap[0] if cap else None, variants=variants)
         results["rows"].append(r)
-        print(f"T={T:6d} cap={r['cap']} B={B} retr={nr}/8 budget={bud}: ours {r['ours_ms']:.4f} ms ({r['ours_pct_of_floor']:.0f}% "
+        print(f"T={T:6d} cap={r['cap']} B={B} D={D} retr={nr}/8 budget={bud}: ours {r['ours_ms']:.4f} ms ({r['ours_pct_of_floor']:.0f}% "
               f"of floor {r['floor_ours_ms']:.4f}) split {r.get('ours_split_ms')} combine {r.get('ours_combine_ms')} "
               f"| cudnn {r.get('cudnn_ms')} flash {r.get('flash_ms')} gather {r.get('gather_ms')} "
               f"| x{r.get('speedup_vs_cudnn', float('nan')):.2f} vs cudnn "

@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from .lowering.kernel_path import account_sites
 from .passes import Counters, PassContext, run_passes
 from .passes.snapshot import graph_snapshot
 
@@ -29,6 +30,8 @@ def make_backend(model, config, retrieval: torch.Tensor, streaming: torch.Tensor
                  "decode" if ctx.is_decode else "prefill", len(ctx.sites), _site_kinds(ctx),
                  counters.sites_rewritten)
         decode = ctx.is_decode and not ctx.aborted
+        if decode:      # kernels or reference, per site; strict refuses a CUDA site on the reference here
+            account_sites(ctx.sites, config, counters)
         compiled = gm.forward if config.backend == "eager" else _inductor(gm, example_inputs, config, decode)
         if not decode:
             return compiled

@@ -1,8 +1,8 @@
 """Tiny random-init Hugging Face decoders for tests (CPU, fp32, seconds to build and run).
 
 Every factory returns a seeded, fp32, ``eval()`` model with vocab 128, a few layers and head_dim 16 (phi3_d96: 96;
-olmo2: 8), built from the config class directly (no hub). The same kwargs work on transformers 5.17 and 5.23
-(checked on both).
+phi_d80: 80; olmo2: 8), built from the config class directly (no hub). The same kwargs work on transformers 5.17 and
+5.23 (checked on both).
 
     from tests.models import ARCHS, make, make_batch
     model = make("qwen2_gqa7", "sdpa")
@@ -18,6 +18,7 @@ Arch keys and what each one exercises:
                      sliding_window=8, query_pre_attn_scalar != head_dim (scaling is not 1/sqrt(d)), MQA
     phi3             fused qkv_proj, MHA
     phi3_d96         head_dim 96 (hidden 384 / 4 heads; not a power of two), GQA 2
+    phi_d80          Phi-2-like: head_dim 80 (hidden 160 / 2 heads), MHA, partial rotary, parallel residual
     gpt_neox         MHA, fused query_key_value, partial rotary (rotary_pct 0.25), parallel residual
     granite          attention_multiplier 0.1 as the attention scale, GQA 2
     olmo2            head_dim 8 (8 q / 4 kv heads), q/k RMSNorm over the whole projection
@@ -124,6 +125,14 @@ def make_phi3_d96(attn_impl: str = "sdpa", seed: int = 0):
     return _finish(Phi3ForCausalLM, cfg, attn_impl, seed)
 
 
+def make_phi_d80(attn_impl: str = "sdpa", seed: int = 0):
+    from transformers import PhiConfig, PhiForCausalLM
+    # head_dim 80 as in Phi-2: hidden 160 / 2 heads; partial rotary (0.4 of the head dim), parallel attention + MLP
+    cfg = PhiConfig(**dict(_COMMON, hidden_size=2 * 80), num_hidden_layers=3, num_attention_heads=2,
+                    num_key_value_heads=2, partial_rotary_factor=0.4)
+    return _finish(PhiForCausalLM, cfg, attn_impl, seed)
+
+
 def make_gpt_neox(attn_impl: str = "sdpa", seed: int = 0):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
     # hidden 64 / 4 heads = head_dim 16; rotary_pct 0.25 -> 4 rotary dims per head (partial rotary).
@@ -157,6 +166,7 @@ ARCHS = {
     "gemma3": make_gemma3,
     "phi3": make_phi3,
     "phi3_d96": make_phi3_d96,
+    "phi_d80": make_phi_d80,
     "gpt_neox": make_gpt_neox,
     "granite": make_granite,
     "olmo2": make_olmo2,

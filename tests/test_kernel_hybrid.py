@@ -114,6 +114,24 @@ def test_kernel_matches_reference(case):
     check(*args, D ** -0.5, bs, sink, local, num_splits=ns)
 
 
+# head dims that are no power of two (Phi-2 80, Phi-3 96) or below the tile minimum (8): the kernels pad the head dim
+# to DP lanes inside (constexprs.head_dim_tile), strides and buffers keep the true D
+PADDED_HEAD_DIMS = [(80, torch.bfloat16), (80, torch.float16), (96, torch.bfloat16), (96, torch.float16),
+                    (8, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("D,dtype", PADDED_HEAD_DIMS, ids=lambda x: str(x)[6:] if isinstance(x, torch.dtype) else f"D{x}")
+def test_kernel_padded_head_dim(D, dtype):
+    # rows of different extents, a retrieval and a sparse head, GQA 3; poisoned outputs: every lane < D is written
+    from lychee_compile.lowering.constexprs import head_dim_tile
+    _, cp = kernel_params(G=3, Hkv=2, D=D, K_sel=4, block_size=16, sink_tokens=16, local_tokens=32, scale=0.1,
+                          num_splits=5, nb_hint=13)
+    assert cp["D"] == D and cp["DP"] == head_dim_tile(D) > D
+    args = make_case(2, 2, 3, D, 200, dtype, 16, 4, 16, 32, [(0, 200), (30, 190)], [True, False], seed=D)
+    out = torch.full_like(args[0], float("nan"))
+    check(*args, D ** -0.5, 16, 16, 32, num_splits=5, out=out)
+
+
 def test_kernel_chunked_selection_path():
     # NB > NBR forces the looped (scratch-memory) top-k path; block_n=32 exercises a different tile
     args = make_case(2, 2, 2, 64, 400, torch.bfloat16, 16, 5, 16, 32, [(0, 400), (21, 391)], [True, False], seed=3)
@@ -241,6 +259,13 @@ def test_kernel_policies_match_reference(G, dtype):
     retr_kept = torch.stack([n[:, 0] for n in kept.values()])
     assert (retr_kept < 8).any() and (retr_kept > 0).any() and len(set(retr_kept.flatten().tolist())) > 3
     assert (kept["ratio", 0.1][:, 0] == torch.tensor([2, 2])).all()      # ceil(.1 * 16), ceil(.1 * 14)
+
+
+def test_kernel_policies_padded_head_dim():
+    # the selection reads block scores only, but they come from the padded head dim's dots
+    args = make_case(2, 2, 2, 96, 256, torch.bfloat16, 16, 8, 16, 32, [(0, 256), (37, 246)], [True, False], seed=9)
+    kept = check_policies(args, 0.3, 16, 16, 32, num_splits=5)
+    assert len({tuple(n[:, 0].tolist()) for n in kept.values()}) > 1, kept
 
 
 def test_kernel_policies_chunked_selection_path():
@@ -381,6 +406,12 @@ MASS_CASES = [
 @pytest.mark.parametrize("case", MASS_CASES, ids=lambda c: f"B{c[0]}H{c[1]}G{c[2]}KX{c[-1]}")
 def test_kernel_mass_variant_matches_reference(case):
     check_mass(*case, device="cpu", seed=21)
+
+
+@pytest.mark.parametrize("D,dtype", [(96, torch.bfloat16), (80, torch.float16)], ids=["D96-bfloat16", "D80-float16"])
+def test_kernel_mass_variant_padded_head_dim(D, dtype):
+    check_mass(2, 3, 2, D, 300, dtype, 16, 4, 16, 32, [(0, 300), (37, 290)], [True, False, False], 7, 3,
+               device="cpu", seed=24)
 
 
 def test_kernel_mass_variant_wide_gathered_tiles():

@@ -45,7 +45,7 @@ LOGIT_TOL = 5e-2         # bf16 logits, as the other GPU tests (test_cuda_graphs
 OUT_REL_TOL = 1.5e-2     # one op's bf16 output against its reference (tests/test_lowering.py)
 MIN_SAME_SELECTION = 0.9
 MAX_ATTENDED = 0.5
-ARCHS = ["qwen2_gqa7", "qwen3", "gemma3", "phi3_d96", "gpt_neox", "mistral", "granite"]
+ARCHS = ["qwen2_gqa7", "qwen3", "gemma3", "phi3_d96", "phi_d80", "gpt_neox", "mistral", "granite"]
 # each keeps fewer than K blocks on some rows of this data (measured on the eager reference), so none is top-K
 POLICY_PARAMS = {"topp": 0.2, "threshold": 0.04, "ratio": 0.12}
 OP = torch.ops.lychee.hybrid_decode.default

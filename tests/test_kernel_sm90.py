@@ -25,6 +25,8 @@ CONFIGS = [
     (1, 4, 64, 64, "bf16", 2048, 3, 0.3),
     (4, 8, 128, 256, "bf16", 8192, 0, 0.0, 32),   # issue 7: the mass variant (heat picks / Quest picks as EXTRA)
     (2, 4, 64, 64, "fp16", 2048, 0, 0.0, 0),
+    (4, 8, 96, 128, "bf16", 8192, 0, 0.0),     # Phi-3's head dim 96 (tiles padded to 128 lanes inside)
+    (1, 32, 80, 64, "fp16", 2048, 0, 0.0, 8),  # Phi-2's 80, MHA, the mass variant
 ]
 
 SCRIPT = r"""

@@ -20,8 +20,10 @@ from lychee_compile.lowering.standalone import render_text
 pytestmark = pytest.mark.single_stack   # text only: no torch / transformers / triton version changes it
 
 SNAPSHOT = pathlib.Path(__file__).parent / "snapshots" / "kernel-text.txt"
-# (tag, G, Hkv, D, K_sel, nb_hint): groups of 4 at D=64 and of 8 at D=128, the latter with the NBR register tier in
-SHAPES = [("g4h2d64", 4, 2, 64, 8, 512), ("g8h4d128", 8, 4, 128, 256, 8192 + 2048)]
+# (tag, G, Hkv, D, K_sel, nb_hint): groups of 4 at D=64 and of 8 at D=128, the latter with the NBR register tier in;
+# head dims padded inside the kernels: Phi-3's 96 (group 4) and Phi-2's 80 (MHA)
+SHAPES = [("g4h2d64", 4, 2, 64, 8, 512), ("g8h4d128", 8, 4, 128, 256, 8192 + 2048), ("g4h2d96", 4, 2, 96, 8, 512),
+          ("g1h4d80", 1, 4, 80, 8, 512)]
 POLICIES = [("topk", 0, 0.0), ("topp", 1, 0.9)]
 
 

@@ -131,6 +131,22 @@ def test_lowering_end_to_end_cpu(inductor_triton_on_cpu):
     assert "torch.ops.lychee.hybrid_decode" not in code.split("def call(")[-1]
 
 
+def test_lowering_padded_head_dim_emits_kernels(inductor_triton_on_cpu):
+    # head_dim 96 (Phi-3): the templates, their head-dim tile padded to 128 lanes inside the kernels (no copy of
+    # q / k / v, no extern fallback); the `* 2` epilogue still fused into the combine's masked store
+    from torch._inductor.utils import run_and_get_code
+    register()
+    args = _case(D=96, dtype=torch.float16)
+    (out, idx), codes = run_and_get_code(torch.compile(_layer, backend="inductor", fullgraph=True), *args)
+    _check(out, idx, args)
+    code = "\n".join(codes)
+    for token in ["D : tl.constexpr = 96", "DP : tl.constexpr = 128", "offs_d = tl.arange(0, DP)",
+                  "mask=ok[:, None] & (offs_d[None, :] < D)", "triton_tem_fused_hybrid_decode_mul"]:
+        assert token in code, token
+    calls = code.split("def call(")[-1]
+    assert "torch.ops.lychee.hybrid_decode" not in calls and "constant_pad_nd" not in calls
+
+
 def test_lowering_head_map_is_runtime_data_and_sizes_symbolic(inductor_triton_on_cpu):
     from torch._inductor.utils import run_and_get_code
     register()
@@ -270,28 +286,61 @@ def test_lowering_row_extent_once_per_mask(inductor_triton_on_cpu):
     assert torch.equal(idx.cpu(), i2)
 
 
-@pytest.mark.slow
-def test_lowering_compiled_model_with_policy(inductor_triton_on_cpu, monkeypatch):
-    # the whole pipeline (lychee_compile, backend="inductor") on a bf16 model with selection="topp": every
-    # lychee::hybrid_decode node becomes our two templates (counted at the lowering), none the extern fallback
-    from lychee_compile import HeadMap, LycheeConfig, lychee_compile
+def _record_lowering(monkeypatch) -> list:
+    """The lowering's choices while Inductor compiles, in order: template names, "fallback" for the reference."""
     from lychee_compile.lowering import compat, lower
-    from tests.harness import generate_logits
-    from tests.models import make, make_batch
-    from tests.test_sparse_semantics import mixed_map
     calls = []
     fallback, select_one = lower._fallback, compat.select_one
     monkeypatch.setattr(lower, "_fallback", lambda *a: (calls.append("fallback"), fallback(*a))[1])
     monkeypatch.setattr(compat, "select_one", lambda name, *a: (calls.append(name), select_one(name, *a))[1])
+    return calls
+
+
+def _model_run(arch, ids, mask, **config):
+    """A tiny bf16 `arch` under lychee_compile(LycheeConfig(**config)), mixed head map, 3 greedy tokens:
+    (sequences, logits, counters, layers)."""
+    from lychee_compile import HeadMap, LycheeConfig, lychee_compile
+    from lychee_compile.api import state_of
+    from tests.harness import generate_logits
+    from tests.models import make
+    from tests.test_sparse_semantics import mixed_map
+    model = make(arch, "sdpa").to(torch.bfloat16)
+    lychee_compile(model, HeadMap(mixed_map(model)).with_model_metadata(model), LycheeConfig(**config))
+    seq, logits = generate_logits(model, ids, mask, 3)
+    return seq, logits, state_of(model).counters, model.config.num_hidden_layers
+
+
+@pytest.mark.slow
+def test_lowering_compiled_model_head_dim_96(inductor_triton_on_cpu, monkeypatch):
+    # a Phi-3-like bf16 model with head_dim 96 through the whole pipeline: the backend counts every rewritten site on
+    # the kernels (from the graph's metadata, before Inductor runs) and the lowering agrees (two templates per site,
+    # no extern fallback); logits as the op's eager reference gives them
+    from tests.models import make_batch
+    calls = _record_lowering(monkeypatch)
+    ids, mask = make_batch(lengths=(26, 17))
+    cfg = dict(strict=True, budget=16, block_size=4, sink_tokens=4, local_tokens=4)
+    runs = {backend: _model_run("phi3_d96", ids, mask, backend=backend, **cfg) for backend in ("eager", "inductor")}
+    seq, logits, c, n_layers = runs["inductor"]
+    assert (c.sites_rewritten, c.sites_on_kernel, c.sites_on_reference, c.reference_reasons) == (n_layers, n_layers,
+                                                                                                0, [])
+    assert runs["eager"][2].sites_on_reference == n_layers
+    assert calls.count("lychee_hybrid_combine") == n_layers and "fallback" not in calls, calls
+    assert torch.equal(seq, runs["eager"][0])
+    assert (logits.float() - runs["eager"][1].float()).abs().max().item() < 5e-2
+
+
+@pytest.mark.slow
+def test_lowering_compiled_model_with_policy(inductor_triton_on_cpu, monkeypatch):
+    # the whole pipeline (lychee_compile, backend="inductor") on a bf16 model with selection="topp": every
+    # lychee::hybrid_decode node becomes our two templates (counted at the lowering), none the extern fallback
+    from tests.models import make_batch
+    calls = _record_lowering(monkeypatch)
     cfg = dict(budget=16, block_size=2, sink_tokens=2, local_tokens=2, selection_param=0.6)
     ids, mask = make_batch(lengths=(26, 17))
     runs = {}
     for backend, selection in (("eager", "topk"), ("eager", "topp"), ("inductor", "topp")):
-        model = make("llama", "sdpa").to(torch.bfloat16)
-        config = LycheeConfig(backend=backend, selection=selection, **cfg)
-        lychee_compile(model, HeadMap(mixed_map(model)).with_model_metadata(model), config)
-        runs[backend if selection == "topp" else selection] = generate_logits(model, ids, mask, 3)
-    n_layers = model.config.num_hidden_layers
+        seq, logits, _, n_layers = _model_run("llama", ids, mask, backend=backend, selection=selection, **cfg)
+        runs[backend if selection == "topp" else selection] = seq, logits
     assert calls.count("lychee_hybrid_combine") == n_layers and "fallback" not in calls, calls
     assert torch.equal(runs["inductor"][0], runs["eager"][0])
     assert (runs["inductor"][1].float() - runs["eager"][1].float()).abs().max().item() < 5e-2

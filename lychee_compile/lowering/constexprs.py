@@ -20,6 +20,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def head_dim_tile(D: int) -> int:
+    """The kernels' tile width over the head dim: D padded to a power of two, at least 16 (tl.dot's K); lanes >= D
+    load 0 and store nothing (glossary DP). Strides, masks and every buffer keep the true D: no copy pads."""
+    return max(16, _next_pow2(D))
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink_tokens: int, local_tokens: int,
                   scale: float, num_splits: int, nb_hint: int, block_n: int = 64, nbr_max: int = 16384,
@@ -45,6 +51,8 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
         PDL=0,      # the lowering sets 1 where the launch uses PDL (compat.pdl_templates)
     )
     assert mass or not extra_width, "extra blocks come with the mass variant"
+    if head_dim_tile(D) != D:    # a constexpr only where it pads: a power-of-two D >= 16 keeps its text unchanged
+        common.update(DP=head_dim_tile(D))
     common.update(NVB=common["S_MAX"] + common["L_MAX"] + K_sel + common["KX"])
     common.update(NVBP=_next_pow2(common["NVB"]))
     split = dict(common, QK_SCALE_LOG2=float(scale) * 1.4426950408889634, DOT_UPCAST=interpreting(),

@@ -14,6 +14,7 @@ from ..ops.op_arguments import arg_names, bind
 from . import compat
 from .compile import pdl_templates, sparse_tile
 from .constexprs import combine_num_warps, interpreting, kernel_params
+from .kernel_path import refusal
 from .kernel_source import COMBINE_MASS_SOURCE, COMBINE_SOURCE, SPLIT_MASS_SOURCE, SPLIT_SOURCE
 
 OP = torch.ops.lychee.hybrid_decode.default
@@ -57,15 +58,11 @@ def _extern(op, *args):
     return compat.fallback_handler(op, add_to_fallback_set=False)(*args)
 
 
-def supported(q, k) -> str | None:
-    """None if the Triton path handles these inputs, else why not (the eager reference then runs as an extern)."""
-    if q.get_dtype() not in (torch.bfloat16, torch.float16):
-        return f"dtype {q.get_dtype()} (fp32 uses the reference)"
-    if not compat.triton_device_ok(q.get_device()):
-        return f"device {q.get_device()}"
-    if k.get_dtype() != q.get_dtype():
-        return "q and k/v dtypes differ"
-    return None
+def supported(q, k, quest_mode: int = 0) -> str | None:
+    """None if the Triton path handles these inputs (IR nodes), else why not (the eager reference then runs as an
+    extern): kernel_path.refusal, the predicate the backend applies to the same sites before Inductor runs."""
+    Hq, Hkv, D = (compat.static_int(x) for x in (q.get_size()[1], k.get_size()[1], q.get_size()[3]))
+    return refusal(q.get_dtype(), k.get_dtype(), q.get_device(), Hq, Hkv, D, quest_mode)
 
 
 def _row_inputs(valid, T, device):
@@ -102,7 +99,7 @@ def hybrid_decode_lowering(*args, **kwargs):
     # Quest and unsupported inputs run the reference (extern), with all of the op's arguments (its idx_out is
     # then complete on return, deferred or not).
     a = bind(OP, args, kwargs)           # name -> value, as the op's schema names them, defaults filled
-    if a["quest_mode"] != 0 or _unsupported(a["q"], a["k"], a["idx_in"]):
+    if supported(a["q"], a["k"], a["quest_mode"]) is not None:
         return _fallback(OP, *a.values())
     return _lower(**_template_args(a), defer=bool(a["defer_select"]))
 
@@ -125,7 +122,7 @@ def index_ready_lowering(idx, hold=()):
 
 def hybrid_decode_mass_lowering(*args, **kwargs):
     a = bind(MASS_OP, args, kwargs)
-    if _unsupported(a["q"], a["k"], a["idx_in"]):
+    if supported(a["q"], a["k"]) is not None:
         return _fallback(MASS_OP, *a.values())
     return _lower(**_template_args(a))
 
@@ -133,13 +130,6 @@ def hybrid_decode_mass_lowering(*args, **kwargs):
 def _template_args(a: dict) -> dict:
     """What the templates take of a decode op's arguments, by name: the mass op's (hybrid_decode has no `extra`)."""
     return {name: a.get(name) for name in arg_names(MASS_OP)}
-
-
-def _unsupported(q, k, idx_in) -> bool:
-    if supported(q, k) is not None:
-        return True
-    Hq, Hkv, D = (compat.static_int(x) for x in (q.get_size()[1], k.get_size()[1], q.get_size()[3]))
-    return D < 16 or bool(D & (D - 1)) or Hq % Hkv != 0
 
 
 def _lower(q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tokens, local_tokens, policy,

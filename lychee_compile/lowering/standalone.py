@@ -46,8 +46,9 @@ class _StandaloneRenderer:
         return f"tl.store({oname} + {offs}, ({val}).to({oname}.dtype.element_ty){m})"
 
     def render(self, source):
+        # the constexprs reach the Jinja text too, as Inductor renders it (the head dim's padding branches on DP)
         body = jinja2.Template(source).render(def_kernel=self.def_kernel, size=self.size, stride=self.stride,
-                                              store_output=self.store_output)
+                                              store_output=self.store_output, **self.constexprs)
         args = list(self.tensors) + [self.out[0]] + self.scalars
         defines = "".join(f"    {k}: tl.constexpr = {v!r}\n" for k, v in sorted(self.constexprs.items()))
         header = f"@triton.jit\ndef {self.name}({', '.join(args)}):\n" + defines

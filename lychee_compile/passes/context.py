@@ -70,9 +70,15 @@ class Counters:
     linear_groups_fused: int = 0     # pass fuse_linears: groups of sibling linears made one product, over all graphs
     linears_fused: int = 0           # ... and the linear calls they replaced
     selections_deferred: int = 0     # pass defer_selection: ops whose top-k the lowering may finish on a side stream
+    # per rewritten site of each decode graph compiled: its lychee decode call runs the Triton kernels, or the op's
+    # eager reference (fp32, no Triton device, backend='eager', ...: lowering/kernel_path.py), each site's reason
+    # once in reference_reasons
+    sites_on_kernel: int = 0
+    sites_on_reference: int = 0
     decode_calls: int = 0            # runtime: calls of a rewritten decode graph (generate() checks it moved)
     generate_calls_dense: int = 0    # runtime: generate() calls whose decode steps never reached the rewrite
     reasons: list[str] = dataclasses.field(default_factory=list)
+    reference_reasons: list[str] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
