@@ -20,7 +20,7 @@ import torch
 
 from .backend import make_backend
 from .config import LycheeConfig
-from .errors import HeadMapError, LycheeCompileError, LycheeConfigError
+from .errors import HeadMapError, LycheeCompileError, LycheeConfigError, lychee_error_inside
 from .dynamic_cache import fresh_call
 from .head_map import HeadMap
 from .install import STATE_ATTR, install
@@ -213,7 +213,7 @@ def probe_global_layers(model, config: LycheeConfig) -> tuple[list[int], list, l
                            do_sample=False, cache_implementation="static", compile_config=compile_config,
                            pad_token_id=0, eos_token_id=None)
     except torch._dynamo.exc.BackendCompilerFailed as exc:
-        raise _unwrap(exc) from None
+        raise lychee_error_inside(exc) from None
     finally:
         for key in set(model.__dict__) - set(saved):
             del model.__dict__[key]

@@ -42,3 +42,11 @@ class DenseFallback(RuntimeError):
 
 class SparsityNotMeasured(RuntimeError):
     """The sparsity collector did not see exactly one op call per decode step and global layer."""
+
+
+def lychee_error_inside(exc: BaseException) -> BaseException:
+    """Our error that Dynamo wrapped (BackendCompilerFailed and its causes) when a backend raised it, else exc."""
+    inner = exc
+    while inner is not None and not isinstance(inner, (LycheeCompileError, HeadMapError, LycheeConfigError)):
+        inner = inner.__cause__ or getattr(inner, "inner_exception", None)
+    return inner if inner is not None else exc

@@ -29,7 +29,7 @@ import torch
 
 from .beam_search import BEAM_STEPS_ATTR, install_beam_reorder
 from .dynamic_cache import fresh_call, install_dynamic_cache
-from .errors import LycheeCompileError
+from .errors import LycheeCompileError, lychee_error_inside
 from .generation_modes import generation_mode, unsupported_mode
 from .linear_groups import fuse_weights
 from .masks import check_padding_mask
@@ -73,6 +73,8 @@ def _guard_generate(model, counters, config) -> None:
         setattr(model, BEAM_STEPS_ATTR, beams)
         try:
             out = inner(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:    # our backend refused the decode graph (strict)
+            raise lychee_error_inside(exc) from None
         finally:
             setattr(model, BEAM_STEPS_ATTR, False)
         sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
