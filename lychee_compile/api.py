@@ -24,6 +24,7 @@ from .errors import HeadMapError, LycheeCompileError, LycheeConfigError, lychee_
 from .dynamic_cache import fresh_call
 from .head_map import HeadMap
 from .install import STATE_ATTR, install
+from .lowering.kernel_path import refuse_probe_sites
 from .state_buffers import write_kinds
 from .tensor_parallel import agreed, kv_shard, process_group
 from .passes import Counters, PassContext, run_passes
@@ -59,6 +60,7 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     (log.warning if slow else info)("lychee_compile: %s", graphs)
 
     global_layers, linear_groups, sites = agreed(group, lambda: probe_global_layers(model, config))
+    agreed(group, lambda: refuse_probe_sites(sites, config))
     shard = agreed(group, lambda: kv_shard(model, sites, head_map.shape[1], group, config.strict))
     if config.rectify_every and len(global_layers) != model.config.num_hidden_layers:
         raise LycheeConfigError("rectify_every needs every layer to be global: sliding-window layers keep ring "
@@ -230,10 +232,3 @@ def _is_lead(group) -> bool:
     """Whether this process logs lychee_compile's summary: rank 0 of a tensor-parallel group, or the only one."""
     import torch.distributed as dist
     return group is None or dist.get_rank(group) == 0
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    inner = exc
-    while inner is not None and not isinstance(inner, (LycheeCompileError, HeadMapError, LycheeConfigError)):
-        inner = inner.__cause__ or getattr(inner, "inner_exception", None)
-    return inner if inner is not None else exc

@@ -12,7 +12,9 @@ setWorkspaceForHandle; checked on torch 2.11), so the size can be chosen for a s
 CUDA graph capture (the replays call no cuBLAS at all), or around each step that runs without CUDA graphs
 (lowering/inductor_changes.py applies it there, and nowhere else). A workspace the user chose (the variable already
 set, e.g. ":4096:8" for deterministic cuBLAS) is left alone, and LycheeConfig.decode_blas_workspace=True keeps
-cuBLAS's default. Prefill graphs are not touched.
+cuBLAS's default. Prefill graphs are not touched. The variable is set and removed in the process environment: a
+thread reading the environment meanwhile (getenv is not safe against setenv in glibc) could race with it -- one more
+reason lychee's compiled calls are one thread at a time (lowering/inductor_changes.py).
 """
 from __future__ import annotations
 

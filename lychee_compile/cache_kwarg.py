@@ -31,3 +31,10 @@ def _forward_takes(cls: type) -> str:
 def cache_kwarg(model) -> str:
     """The name `model`'s class forward takes its cache under ("cache" or "past_key_values")."""
     return _forward_takes(type(model))
+
+
+def tokens_of(args, kwargs):
+    """The token tensor of a forward call ([B, L] ids, or [B, L, H] embeddings), however it was passed; None if
+    neither."""
+    x = kwargs.get("input_ids", args[0] if args else None)
+    return kwargs.get("inputs_embeds") if x is None else x

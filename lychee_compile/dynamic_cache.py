@@ -27,7 +27,7 @@ import types
 
 import torch
 
-from .cache_kwarg import cache_of
+from .cache_kwarg import cache_of, tokens_of
 from .errors import LycheeConfigError
 from .beam_search import BEAM_STEPS_ATTR
 from .rectify import REENCODING_ATTR
@@ -39,8 +39,7 @@ def _eager_decode_cache(args, kwargs):
     """The cache of a decode step (one query token) called outside Dynamo, else None."""
     if torch.compiler.is_compiling():
         return None
-    x = kwargs.get("input_ids", args[0] if args else None)
-    x = kwargs.get("inputs_embeds") if x is None else x
+    x = tokens_of(args, kwargs)
     return cache_of(kwargs) if x is not None and x.shape[1] == 1 else None
 
 
@@ -56,7 +55,10 @@ def _is_dynamic_decode(args, kwargs) -> bool:
 def _is_beam_decode(model, args, kwargs) -> bool:
     """A beam-search decode step (one query token) on a compileable cache, called outside Dynamo (not a
     rectification re-encode, dense on purpose: rectify.py)."""
-    if not getattr(model, BEAM_STEPS_ATTR, False) or getattr(model, REENCODING_ATTR, False):
+    # the compiling check first: an attribute read while Dynamo traces the wrapped forward becomes a guard, and the
+    # flag changes between generate() calls (a recompile of the decode step at every switch of mode)
+    if torch.compiler.is_compiling() or not getattr(model, BEAM_STEPS_ATTR, False) or getattr(model, REENCODING_ATTR,
+                                                                                              False):
         return False
     return bool(getattr(_eager_decode_cache(args, kwargs), "is_compileable", False))
 

@@ -16,10 +16,10 @@ import copy
 SUPPORTED = ("greedy_search", "sample", "beam_search", "beam_sample")
 
 
-def unsupported_mode(model, args, kwargs, rectify_every: int = 0) -> str | None:
+def unsupported_mode(model, args, kwargs, rectify_every: int = 0, config=None) -> str | None:
     """What generate(*args, **kwargs) would run instead of the rewritten decode step, as a sentence; None when it runs
-    it."""
-    config = merged_config(model, args, kwargs)
+    it. config: merged_config(model, args, kwargs) where the caller has it."""
+    config = merged_config(model, args, kwargs) if config is None else config
     if kwargs.get("custom_generate") is not None:
         return "a custom_generate loop does not call the compiled decode step."
     mode = generation_mode(model, args, kwargs, config)

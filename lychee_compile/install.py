@@ -30,7 +30,8 @@ import torch
 from .beam_search import BEAM_STEPS_ATTR, install_beam_reorder
 from .dynamic_cache import fresh_call, install_dynamic_cache
 from .errors import LycheeCompileError, lychee_error_inside
-from .generation_modes import generation_mode, unsupported_mode
+from .cache_kwarg import tokens_of
+from .generation_modes import generation_mode, merged_config, unsupported_mode
 from .linear_groups import fuse_weights
 from .masks import check_padding_mask
 from .rectify import install_rectification
@@ -63,20 +64,22 @@ def _guard_generate(model, counters, config) -> None:
 
     def generate(*args, **kwargs):
         check_padding_mask(kwargs.get("attention_mask"))
-        refused = unsupported_mode(model, args, kwargs, config.rectify_every)
+        generation = merged_config(model, args, kwargs)
+        refused = unsupported_mode(model, args, kwargs, config.rectify_every, generation)
         if refused is not None:
             if config.strict:
                 raise LycheeCompileError(refused)
             log.warning("lychee_compile: %s", refused)
         before = counters.decode_calls
-        beams = generation_mode(model, args, kwargs).startswith("beam_")
-        setattr(model, BEAM_STEPS_ATTR, beams)
+        setattr(model, BEAM_STEPS_ATTR, generation_mode(model, args, kwargs, generation).startswith("beam_"))
+        setattr(model, PREFILL_CALLS_ATTR, _prefill_chunks(args, kwargs, generation))
         try:
             out = inner(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as exc:    # our backend refused the decode graph (strict)
             raise lychee_error_inside(exc) from None
         finally:
             setattr(model, BEAM_STEPS_ATTR, False)
+            setattr(model, PREFILL_CALLS_ATTR, 0)
         sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
         prompt = args[0] if args else kwargs.get("input_ids")
         new_tokens = (sequences.shape[-1] - prompt.shape[-1]) if (
@@ -93,6 +96,31 @@ def _guard_generate(model, counters, config) -> None:
 
     generate.__doc__ = inner.__doc__
     model.generate = generate
+
+
+PREFILL_CALLS_ATTR = "_lychee_prefill_calls"     # compiled calls left that are prompt chunks (chunked prefill)
+
+
+def _prefill_chunks(args, kwargs, generation) -> int:
+    """How many of generate()'s calls of the compiled call are prompt chunks: ceil(prompt / prefill_chunk_size) with
+    chunked prefill, else 0 (transformers then prefills with one eager call)."""
+    chunk = getattr(generation, "prefill_chunk_size", None)
+    prompt = tokens_of(args, kwargs)
+    return -(-int(prompt.shape[1]) // int(chunk)) if chunk and prompt is not None else 0
+
+
+def _prompt_chunks_eager(model, compiled):
+    """The compiled call, except for a one-token prompt chunk (chunked prefill, prompt length % chunk == 1), which
+    runs the model eagerly: to the compiled graph a one-token call is a decode step, and it would be rewritten
+    (sparse) while it is part of the prefill (dense). Longer chunks compile as prefill graphs (classify.py)."""
+    def compiled_call(*args, **kwargs):
+        left = getattr(model, PREFILL_CALLS_ATTR, 0)
+        if left:
+            setattr(model, PREFILL_CALLS_ATTR, left - 1)
+            if tokens_of(args, kwargs).shape[1] == 1:
+                return model(*args, **kwargs)
+        return compiled(*args, **kwargs)
+    return compiled_call
 
 
 def _compile_decode_steps(model, backend) -> None:
@@ -119,7 +147,8 @@ def _own_compiled_call(model) -> None:
     def get_compiled_call(compile_config):
         compile_config = compile_config or model.generation_config.compile_config or model._default_compile_config()
         if "call" not in made or made["config"] != compile_config:
-            made.update(config=compile_config, call=torch.compile(call, **compile_config.to_dict()))
+            compiled = torch.compile(call, **compile_config.to_dict())
+            made.update(config=compile_config, call=_prompt_chunks_eager(model, compiled))
         return made["call"]
 
     model.get_compiled_call = get_compiled_call

@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from .cache_kwarg import cache_of
+from .cache_kwarg import cache_of, tokens_of
 from .linear_groups import announce as announce_linear_groups
 from .ops.quest import block_descriptors, descriptor_dtype
 from .errors import LycheeCompileError, LycheeConfigError
@@ -69,17 +69,12 @@ def install_state(model, config, kinds: torch.Tensor, global_layers: list[int]):
     return quest.before_decode if quest is not None else None
 
 
-def _tokens(args, kwargs) -> torch.Tensor:
-    x = kwargs.get("input_ids", args[0] if args else None)
-    return kwargs.get("inputs_embeds") if x is None else x
-
-
 def _query_length(args, kwargs) -> int:
-    return int(_tokens(args, kwargs).shape[1])
+    return int(tokens_of(args, kwargs).shape[1])
 
 
 def _batch(args, kwargs) -> int:
-    return int(_tokens(args, kwargs).shape[0])
+    return int(tokens_of(args, kwargs).shape[0])
 
 
 def write_kinds(model, kinds: torch.Tensor) -> None:
@@ -110,7 +105,7 @@ def _wrap_forward(model, keeper) -> None:
 
     @functools.wraps(inner)     # generate() reads forward's signature to decide what to pass (position_ids, ...)
     def forward(*args, **kwargs):
-        x = _tokens(args, kwargs)
+        x = tokens_of(args, kwargs)
         heat = getattr(model, HEAT_ATTR, None)
         if heat is not None:
             # a prefill: any eager forward (generate() compiles only decode steps; a prompt may be one token) or a

@@ -149,3 +149,15 @@ def test_sparse_beam_search_on_cuda_graphs_gpu():
     # one batch size more (beams x 1 vs 1) may compile once more, nothing per step
     assert counters["stats"]["unique_graphs"] <= graphs + 1
     assert (path - torch.stack(alone.logits)[:, 0].float()).abs().max() < 5e-2
+
+
+def test_switching_between_greedy_and_beam_search_compiles_the_step_once():
+    # the beam-steps flag is read outside the traced frame: no guard on it, so no recompile when the mode changes
+    model = _compiled(mixed_map)
+    ids, mask = make_batch(lengths=(PROMPT,) * BEAMS, seed=3)          # one batch size and cache length for all
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+        graphs = state_of(model).counters.graphs
+        _beams(model)
+        model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+    assert state_of(model).counters.graphs == graphs and state_of(model).counters.decode_graphs == 1

@@ -150,20 +150,22 @@ def test_codegen_key_follows_sources_and_options_and_spares_a_users_pass(monkeyp
     base, real = codegen_key.CodegenKey(KernelOptions()).uuid(), codegen_key.codegen_digest()
     assert base.startswith(real) and len(real) == 64
     assert codegen_key.CodegenKey(KernelOptions(pdl_templates=False)).uuid() != base
-    (tmp_path / "kernels").mkdir()
-    for name in ("lower.py", "codegen_key.py", "kernels/split.py.jinja"):
+    lowering = tmp_path / "lowering"                  # a package tree: lowering/ and the ops/ module it reads
+    (lowering / "kernels").mkdir(parents=True)
+    (tmp_path / "ops").mkdir()
+    for name in ("lowering/lower.py", "lowering/codegen_key.py", "lowering/kernels/split.py.jinja", "ops/policies.py"):
         (tmp_path / name).write_text("x = 1\n")
-    monkeypatch.setattr(codegen_key, "__file__", str(tmp_path / "codegen_key.py"))
+    monkeypatch.setattr(codegen_key, "__file__", str(lowering / "codegen_key.py"))
     codegen_key.codegen_digest.cache_clear()
     try:
         digests = [codegen_key.codegen_digest()]
-        for name in ("lower.py", "kernels/split.py.jinja"):
+        for name in ("lowering/lower.py", "lowering/kernels/split.py.jinja", "ops/policies.py"):
             (tmp_path / name).write_text("x = 2\n")
             codegen_key.codegen_digest.cache_clear()
             digests.append(codegen_key.codegen_digest())
     finally:
         codegen_key.codegen_digest.cache_clear()
-    assert len(set(digests + [real])) == 4
+    assert len(set(digests + [real])) == 5
     with icfg.patch(post_grad_custom_post_pass=lambda graph: None):
         assert "post_grad_custom_post_pass" not in inductor_patches(True, LycheeConfig())
 

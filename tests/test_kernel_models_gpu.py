@@ -1,12 +1,13 @@
 """The kernel path beyond Llama (GPU): tiny bf16 decoders of several architectures compiled with Inductor and CUDA
-graphs, against the same model and head map on the op's eager reference (backend="eager").
+graphs, against the same model and head map on the op's eager reference (Inductor with every hybrid_decode site
+lowered to the reference extern).
 
 Per model (`compare_kernels_with_reference`):
   * kernel run: LycheeConfig(backend="inductor", cuda_graphs=True), greedy. Every lychee::hybrid_decode site is
     lowered to our two templates, none to the reference extern (the lowering's choices are logged, Inductor's FX
     graph cache off so that it runs), and the op's reference is never called while the model decodes (an extern
     would call it).
-  * reference run: backend="eager", teacher-forced to the kernel run's tokens (a logits processor), so every step's
+  * reference run: Inductor, each site on the op's reference (an extern), teacher-forced to the kernel run's tokens (a logits processor), so every step's
     logits come from the same inputs; the op's reference records each decode site's inputs and outputs.
   * logits: within bf16 tolerance at every step (greedy-token agreement is reported).
   * selection: inside a CUDA graph the kernels' index state cannot be observed, so every recorded site that selects

@@ -114,3 +114,25 @@ def test_strict_refusal_comes_before_inductor_and_any_decode_step(monkeypatch):
     assert re.search(r"layers \[0, 1, 2\] .*eager reference.*dtype torch.float32", str(refused)), refused
     c = state_of(model).counters
     assert calls == [] and c.decode_calls == 0 and c.sites_on_reference >= 1
+
+
+def test_lychee_compile_refuses_reference_sites_on_cuda_before_any_change():
+    # the probe's global sites carry what the decode call will get; strict: a CUDA site on the reference is refused
+    # in lychee_compile (api runs refuse_probe_sites before install), naming layers and reason; CPU sites, eager and
+    # non-strict configs pass (they are counted at compile time instead)
+    import types
+    from lychee_compile.lowering.kernel_path import refuse_probe_sites
+
+    def site(layer, dtype, device="cuda", D=96):
+        value = lambda heads: types.SimpleNamespace(meta={"example_value": types.SimpleNamespace(
+            dtype=dtype, device=torch.device(device), shape=(1, heads, 1, D))})
+        return types.SimpleNamespace(q=value(8), kv_k=value(2), k=None, layer_idx=layer)
+    fp32 = [site(0, torch.float32), site(1, torch.float32)]
+    with pytest.raises(LycheeCompileError, match=r"layers \[0, 1\] would run the op's eager reference.*float32"):
+        refuse_probe_sites(fp32, LycheeConfig(backend="inductor"))
+    refuse_probe_sites([site(0, torch.bfloat16), site(1, torch.float16, D=80)], LycheeConfig(backend="inductor"))
+    refuse_probe_sites([site(0, torch.float32, device="cpu")], LycheeConfig(backend="inductor"))
+    refuse_probe_sites(fp32, LycheeConfig(backend="eager"))
+    refuse_probe_sites(fp32, LycheeConfig(backend="inductor", strict=False))
+    with pytest.raises(LycheeCompileError, match="head_dim 320"):
+        refuse_probe_sites([site(3, torch.bfloat16, D=320)], LycheeConfig(backend="inductor"))

@@ -1,6 +1,6 @@
 """Several models compiled and generated in one process, as a notebook, a comparison script or a server hosting two
 models does: no Dynamo reset between them. Their attention scales and head counts differ, which Dynamo's automatic
-dynamic shapes would make symbolic if their decode steps shared one frame (api._own_compiled_call says why they do
+dynamic shapes would make symbolic if their decode steps shared one frame (install._own_compiled_call says why they do
 not). All-retrieval maps, so each model's logits must equal its own dense run."""
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from ..errors import DenseFallback, SparsityNotMeasured
 
 def dynamo_limits(recompile_limit: int = 256):
     """A context (Dynamo's own config.patch, restored on leaving) for an evaluation: each variant compiles a decode
-    call of its own (api._own_compiled_call), so variants do not add up against one code object's recompile limit;
+    call of its own (install._own_compiled_call), so variants do not add up against one code object's recompile limit;
     the limits are raised for the many contexts of a run and hitting one is made an error instead of a silent
     fallback to eager (dense) execution."""
     import torch._dynamo.config as dc

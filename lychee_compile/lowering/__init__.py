@@ -1,4 +1,4 @@
-"""Inductor lowering of `torch.ops.lychee.hybrid_decode` to generated Triton kernels (issue 4).
+"""Inductor lowering of `torch.ops.lychee.hybrid_decode` to generated Triton kernels.
 
     from lychee_compile.lowering import register
     register()          # idempotent; call before torch.compile(..., backend="inductor") compiles the graph

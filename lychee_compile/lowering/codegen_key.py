@@ -17,6 +17,8 @@ from . import compat
 
 # What the digest covers: this package's files with these endings, in name order, subfolders included.
 SOURCE_SUFFIXES = (".py", ".jinja", ".triton")
+# ops/policies.py: its constants (POLICIES, RANK_DROP_BITS -> the combine's LOWB) are compiled into the kernels.
+CONSTANT_SOURCES = ("../ops/policies.py",)
 
 
 class CodegenKey(compat.CustomGraphPass):
@@ -32,10 +34,11 @@ class CodegenKey(compat.CustomGraphPass):
 
 @functools.lru_cache(maxsize=1)
 def codegen_digest() -> str:
-    """sha256 of the lowering package's sources (SOURCE_SUFFIXES), by path relative to the package, in order."""
+    """sha256 of the lowering package's sources (SOURCE_SUFFIXES) and of the modules outside it whose constants the
+    kernels are generated from (CONSTANT_SOURCES), by path relative to the package, in order."""
     folder = os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha256()
-    found = []
+    found = [os.path.normpath(os.path.join(folder, p)) for p in CONSTANT_SOURCES]
     for root, _dirs, files in os.walk(folder):
         found += [os.path.join(root, n) for n in files if n.endswith(SOURCE_SUFFIXES)]
     for path in sorted(found, key=lambda p: os.path.relpath(p, folder)):

@@ -48,7 +48,7 @@ def kernel_params(*, G: int, Hkv: int, D: int, K_sel: int, block_size: int, sink
         S_MAX=(-(-sink_tokens // bs) + 1) if sink_tokens > 0 else 0,
         L_MAX=(-(-local_tokens // bs) + 1) if local_tokens > 0 else 0,
         NUM_SPLITS=num_splits, SPARSE_COST=int(sparse_cost), MASS=int(bool(mass)), KX=int(extra_width),
-        PDL=0,      # the lowering sets 1 where the launch uses PDL (compat.pdl_templates)
+        PDL=0,      # the lowering sets 1 where the launch uses PDL (compile.pdl_templates)
     )
     assert mass or not extra_width, "extra blocks come with the mass variant"
     if head_dim_tile(D) != D:    # a constexpr only where it pads: a power-of-two D >= 16 keeps its text unchanged
@@ -88,5 +88,5 @@ def selection_constexprs(*, G: int, Hkv: int, K_sel: int, block_size: int, nb_hi
 def combine_num_warps(defer: bool) -> int:
     """Warps of the combine launch. 16 when it selects: the top-k's register row (8K keys) wants many threads.
     4 when it does not (DEFER): its merge and key programs are latency chains that more, smaller programs serve
-    better (H100, 128K: combine 8.0-10.8 -> 4.4-5.4 us; BENCHMARKS.md, session 11)."""
+    better (H100, 128K: combine 8.0-10.8 -> 4.4-5.4 us, measured side by side)."""
     return 4 if defer else 16

@@ -66,6 +66,26 @@ def _hint(size) -> int:
     return size if isinstance(size, int) else int(size.node.hint)
 
 
+def refuse_probe_sites(sites: list, config) -> None:
+    """lychee_compile's early form of account_sites' strict refusal: the probe's global sites (not rewritten; q and the
+    un-expanded K carry the dtype, device and head sizes the decode call will get) checked before the model is
+    changed and before any prefill. Strict mode, the Inductor backend and hybrid attention only."""
+    if not config.strict or config.backend == "eager" or config.attention != "hybrid":
+        return
+    by_reason = {}
+    for site in sites:
+        q, k = (node.meta["example_value"] for node in (site.q, site.kv_k if site.kv_k is not None else site.k))
+        if q.device.type != "cuda":
+            continue
+        why = refusal(q.dtype, k.dtype, q.device, _hint(q.shape[1]), _hint(k.shape[1]), _hint(q.shape[3]))
+        if why is not None:
+            by_reason.setdefault(why, []).append(site.layer_idx)
+    if by_reason:
+        raise LycheeCompileError("; ".join(f"the decode sites of layers {layers} would run the op's eager reference, "
+                                           f"not the Triton kernels: {why}" for why, layers in by_reason.items())
+                                 + " (strict mode; strict=False runs the reference there, logged and counted)")
+
+
 def account_sites(sites: list, config, counters) -> None:
     """Count every rewritten site of a decode graph as on the kernels or on the reference; the reference's sites
     once per reason in reference_reasons (their layers named), logged (a warning on CUDA). Strict: CUDA sites on the
