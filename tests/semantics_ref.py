@@ -9,6 +9,8 @@ transformers as an attention function ("lychee_semantics") so an uncompiled mode
       compares scores as fp32 with the low 11 mantissa bits cleared (12 significant bits: closer scores tie).
     Sparse head: attention over valid tokens of S[l'][h] (previous global layer) plus sink and local blocks;
       S[l][h] = S[l'][h].
+    Blocks: a row's blocks start at its first valid position lo (its text, not the cache slot): block j is
+      positions lo + j*bs .. lo + (j+1)*bs - 1, so padding in front of a prompt never moves a block boundary.
     Sink blocks: blocks of the first sink_tokens valid positions; local: of the last local_tokens valid positions.
     Selection policy (LycheeConfig.selection): a prefix of the same ranking -- topk: K blocks; topp: the shortest
       prefix whose mass (group-mean probability) plus the sink/local mass reaches p; threshold: blocks of mass >= tau;
@@ -79,10 +81,14 @@ class Semantics:
             return [t for t in range(T) if bool(row[t])]
         return [t for t in range(T) if float(row[t]) == 0.0]
 
+    def _block(self, t, valid):
+        """Block of position t in a row whose valid positions are `valid` (counted from the first of them)."""
+        return (t - valid[0]) // self.bs
+
     def _decode_head(self, layer, b, h, qs, keys, valid, scale):
-        bs = self.bs
-        sink_blocks = {t // bs for t in valid[:self.sink]}
-        local_blocks = {t // bs for t in valid[len(valid) - self.local:]} if self.local > 0 else set()
+        blk_of = lambda t: self._block(t, valid)  # noqa: E731
+        sink_blocks = {blk_of(t) for t in valid[:self.sink]}
+        local_blocks = {blk_of(t) for t in valid[len(valid) - self.local:]} if self.local > 0 else set()
         is_retrieval = (self.first_forced and layer == self.global_layers[0]) or self.retrieval[layer][h]
         if is_retrieval:
             token_score = {t: 0.0 for t in valid}
@@ -95,7 +101,7 @@ class Semantics:
                     token_score[t] += x / z
             block_score = {}
             for t in valid:
-                block_score[t // bs] = block_score.get(t // bs, 0.0) + token_score[t]
+                block_score[blk_of(t)] = block_score.get(blk_of(t), 0.0) + token_score[t]
             candidates = [blk for blk in sorted(block_score) if blk not in sink_blocks and blk not in local_blocks]
             rank = (lambda x: _twelve_bits(x)) if self.policy == "topk" else (lambda x: x)
             ranked = sorted(candidates, key=lambda blk: (-rank(block_score[blk]), blk))
@@ -105,7 +111,7 @@ class Semantics:
         if self.streaming[layer][h] or layer == self.global_layers[0]:
             self.selection[(b, h)] = []
         keep = set(self.selection[(b, h)]) | sink_blocks | local_blocks
-        return [t for t in valid if t // bs in keep]
+        return [t for t in valid if blk_of(t) in keep]
 
 
     def _keep(self, ranked, block_score, fixed_blocks, group, n_valid_blocks):
@@ -175,17 +181,18 @@ class HeatSemantics(Semantics):
         attend = super()._decode_head(layer, b, h, qs, keys, valid, scale)
         heat = self.heat.setdefault((b, layer, h), {})
         is_retrieval = (self.first_forced and layer == self.global_layers[0]) or self.retrieval[layer][h]
+        blk_of = lambda t: self._block(t, valid)  # noqa: E731
         if not is_retrieval:
-            have = {t // self.bs for t in attend}
-            warm = sorted((blk for blk in {t // self.bs for t in valid} if heat.get(blk, 0.0) > 0 and blk not in have),
+            have = {blk_of(t) for t in attend}
+            warm = sorted((blk for blk in {blk_of(t) for t in valid} if heat.get(blk, 0.0) > 0 and blk not in have),
                           key=lambda blk: (-heat[blk], blk))[:self.heat_blocks]
-            attend = [t for t in valid if t // self.bs in have | set(warm)]
+            attend = [t for t in valid if blk_of(t) in have | set(warm)]
         for blk in list(heat):
             heat[blk] *= self.decay
         for q in qs:
             logits = torch.stack([q @ keys[t] for t in attend]) * scale
             for t, p in zip(attend, torch.softmax(logits, dim=0).tolist()):
-                heat[t // self.bs] = heat.get(t // self.bs, 0.0) + p
+                heat[blk_of(t)] = heat.get(blk_of(t), 0.0) + p
         return attend
 
 
@@ -201,24 +208,24 @@ class QuestSemantics(Semantics):
 
     def _bound_ranking(self, qs, keys, valid, exclude):
         qbar = torch.stack(qs).mean(0)
-        blocks = sorted({t // self.bs for t in valid} - exclude)
+        blocks = sorted({self._block(t, valid) for t in valid} - exclude)
         bound = {}
         for blk in blocks:
-            ks = torch.stack([keys[t] for t in valid if t // self.bs == blk])
+            ks = torch.stack([keys[t] for t in valid if self._block(t, valid) == blk])
             bound[blk] = float(torch.maximum(qbar * ks.min(0).values, qbar * ks.max(0).values).sum())
         return sorted(blocks, key=lambda blk: (-bound[blk], blk))
 
     def _decode_head(self, layer, b, h, qs, keys, valid, scale):
-        bs = self.bs
-        sink = {t // bs for t in valid[:self.sink]}
-        local = {t // bs for t in valid[len(valid) - self.local:]} if self.local > 0 else set()
+        blk_of = lambda t: self._block(t, valid)  # noqa: E731
+        sink = {blk_of(t) for t in valid[:self.sink]}
+        local = {blk_of(t) for t in valid[len(valid) - self.local:]} if self.local > 0 else set()
         if self.mode == "all":
             own = self._bound_ranking(qs, keys, valid, sink | local)[:self.k]
-            return [t for t in valid if t // bs in sink | local | set(own)]
+            return [t for t in valid if blk_of(t) in sink | local | set(own)]
         attend = super()._decode_head(layer, b, h, qs, keys, valid, scale)
         is_retrieval = (self.first_forced and layer == self.global_layers[0]) or self.retrieval[layer][h]
         if is_retrieval:
             return attend
-        have = {t // bs for t in attend}
+        have = {blk_of(t) for t in attend}
         extra = self._bound_ranking(qs, keys, valid, sink | local | have)[:self.quest_blocks]
-        return [t for t in valid if t // bs in have | set(extra)]
+        return [t for t in valid if blk_of(t) in have | set(extra)]

@@ -18,7 +18,7 @@ from lychee_compile.lowering.constexprs import interpreting  # noqa: E402
 from lychee_compile.lowering.standalone import hybrid_decode_triton, make_launchers, row_extent, workspace  # noqa: E402
 from lychee_compile.ops.deferred_select import select_rows_reference  # noqa: E402
 from tests.test_kernel_hybrid import make_case  # noqa: E402
-from tests.test_lowering import _case, inductor_triton_on_cpu  # noqa: E402,F401  (the fixture)
+from tests.test_lowering import _case  # noqa: E402
 
 SELECT_ROWS = torch.ops.lychee.select_rows.default
 INDEX_READY = torch.ops.lychee.index_ready.default

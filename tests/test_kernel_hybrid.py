@@ -293,7 +293,8 @@ def test_kernel_gpu(G, D):
 
 def tie_case(K):
     """Identical keys -> every full candidate block has exactly the same score. Valid positions [8, 256) in blocks
-    of 16: blocks 0-1 hold the 16 sink tokens, 14-15 the 32 local ones, candidates 2..13 each hold mass 16/248."""
+    of 16 counted from position 8 (text-relative): block 0 holds the 16 sink tokens, 13-15 the 32 local ones (15 is
+    half full), candidates 1..12 each hold mass 16/248."""
     B, Hkv, G, D, T = 1, 2, 2, 64, 256
     q = torch.randn(B, Hkv * G, 1, D).to(torch.bfloat16)
     k = torch.randn(1, 1, 1, D).expand(B, Hkv, T, D).contiguous().to(torch.bfloat16)
@@ -307,11 +308,11 @@ def tie_case(K):
 def test_kernel_ties_prefer_lower_blocks():
     out, idx = check(*tie_case(4), 0.125, 16, 16, 32, num_splits=3)
     # the lower candidates win the tie
-    assert idx[0, 0].tolist() == [2, 3, 4, 5]
+    assert idx[0, 0].tolist() == [1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("policy,param,want", [(1, 0.6, [2, 3, 4, 5, 6, 7]), (2, 0.05, list(range(2, 10))),
-                                               (3, 0.3, [2, 3, 4, 5, 6])], ids=["topp", "threshold", "ratio"])
+@pytest.mark.parametrize("policy,param,want", [(1, 0.6, [1, 2, 3, 4, 5, 6]), (2, 0.05, list(range(1, 9))),
+                                               (3, 0.3, [1, 2, 3, 4, 5])], ids=["topp", "threshold", "ratio"])
 def test_kernel_policies_ties_prefer_lower_blocks(policy, param, want):
     # topp: fixed mass 56/248, need .374 -> 6 tied blocks (far from a boundary); threshold: all 12 pass, capped at
     # K = 8; ratio: ceil(.3 * 16 valid blocks) = 5. Ties: the lower blocks.

@@ -1,8 +1,8 @@
 """The Inductor lowering of lychee::hybrid_decode (lychee_compile/lowering), end to end.
 
 CPU: Inductor emits Triton for CPU tensors (config.cpu_backend = "triton") and the Triton interpreter runs it;
-all workarounds that needs live in the ONE fixture `inductor_triton_on_cpu` below, gated on the versions it was
-checked with. GPU (@pytest.mark.gpu): the same on CUDA, no workarounds.
+all workarounds that needs live in the ONE fixture `inductor_triton_on_cpu` (tests/conftest.py), gated on the
+versions it was checked with. GPU (@pytest.mark.gpu): the same on CUDA, no workarounds.
 """
 import os
 import types
@@ -17,64 +17,6 @@ triton = pytest.importorskip("triton")
 
 from lychee_compile.lowering import is_registered, register, unregister  # noqa: E402
 from lychee_compile.ops.reference import hybrid_decode_reference  # noqa: E402
-
-CHECKED = {("2.13", "3.9"), ("2.11", "3.6")}
-
-
-def _short(v):
-    return ".".join(v.split("+")[0].split(".")[:2])
-
-
-@pytest.fixture
-def inductor_triton_on_cpu():
-    """Inductor -> Triton for CPU tensors, run by the interpreter. Workarounds (all here, nowhere else):
-    cpu_backend="triton"; a stub active driver that reports an sm_90 target; triton_helpers.libdevice -> tl.math;
-    caches off (stale FX-graph cache hits while editing lowerings)."""
-    if (_short(torch.__version__), _short(triton.__version__)) not in CHECKED:
-        pytest.skip(f"CPU Inductor->Triton workaround checked only on {sorted(CHECKED)}")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1 set before triton is imported (CPU machines)")
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    import torch._inductor.config as cfg
-    import torch._inductor.runtime.triton_helpers as th
-
-    class StubDriver:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def is_active(self):
-            return True
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-        def get_benchmarker(self):
-            return triton.testing.do_bench
-
-        def get_empty_cache_for_benchmark(self):
-            return torch.empty(1)
-
-        def clear_cache(self, cache):
-            pass
-
-    drv = triton.runtime.driver
-    prev_driver = getattr(drv, "_active", None)  # reset_active() would build the real (absent) GPU driver
-    prev_libdevice = th.libdevice
-    th.libdevice = tl.math
-    drv.set_active(StubDriver())
-    torch._dynamo.reset()
-    with cfg.patch(cpu_backend="triton", force_disable_caches=True):
-        yield
-    torch._dynamo.reset()
-    th.libdevice = prev_libdevice
-    drv._active = prev_driver
 
 
 def _case(B=2, Hkv=2, G=2, D=64, T=160, K=3, dtype=torch.bfloat16, device="cpu", seed=0):

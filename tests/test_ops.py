@@ -160,12 +160,12 @@ def test_extra_blocks_are_attended_by_sparse_heads_only_and_not_passed_on():
     q, k, v, valid, idx = inputs(hkv=2)
     retr = torch.tensor([True, False])
     _, sel0, m0 = MASS(q, k, v, valid, retr, idx, _extra(2, 2, [EMPTY]), 0.25, 4, 4, 4)
-    out, sel, m = MASS(q, k, v, valid, retr, idx, _extra(2, 2, [5]), 0.25, 4, 4, 4)
-    assert (m0[:, 1, 5] == 0).all() and (m[:, 1, 5] > 0).all()          # the sparse head now attends block 5
+    out, sel, m = MASS(q, k, v, valid, retr, idx, _extra(2, 2, [4]), 0.25, 4, 4, 4)
+    assert (m0[:, 1, 4] == 0).all() and (m[:, 1, 4] > 0).all()          # the sparse head now attends block 4
     assert torch.equal(m[:, 0], m0[:, 0])                                # the retrieval head is unchanged
     assert torch.equal(sel, sel0)                                        # extra picks never reach idx_out
-    # the same as inheriting block 5 for that layer
+    # the same as inheriting block 4 for that layer (text-relative: row 1's local blocks are 5 and 6)
     idx5 = idx.clone()
-    idx5[:, :, 0] = 5
+    idx5[:, :, 0] = 4
     out5, _ = OP(q, k, v, valid, retr, idx5, 0.25, 4, 4, 4)
     assert torch.equal(out, out5)

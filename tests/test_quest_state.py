@@ -23,14 +23,16 @@ STATELESS_OP = torch.ops.lychee.hybrid_decode.default
 
 def plain_descriptors(keys: torch.Tensor, valid: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tensor:
     """keys [B, H, T, D], valid bool [B, T] -> [B, H, num_blocks, 2, D] fp32, one key at a time (the test's own
-    recomputation: min / max over each block's valid keys, +inf / -inf where there is none)."""
+    recomputation: min / max over each block's valid keys, +inf / -inf where there is none). A row's blocks count
+    from its first valid position."""
     B, H, T, D = keys.shape
     out = torch.empty(B, H, num_blocks, 2, D)
     out[..., 0, :], out[..., 1, :] = float("inf"), float("-inf")
     for b in range(B):
+        first = next((t for t in range(T) if valid[b, t]), 0)
         for t in range(T):
             if valid[b, t]:
-                blk = out[b, :, t // block_size]
+                blk = out[b, :, (t - first) // block_size]
                 blk[:, 0] = torch.minimum(blk[:, 0], keys[b, :, t].float())
                 blk[:, 1] = torch.maximum(blk[:, 1], keys[b, :, t].float())
     return out
@@ -46,9 +48,11 @@ def cache_valid(cache, prompt_mask: torch.Tensor, written: int) -> torch.Tensor:
 
 
 def holding_a_key(valid: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tensor:
-    """bool [B, 1, num_blocks, 1, 1]: blocks with a valid key, the only ones the state specifies (ops/quest.py)."""
-    padded = torch.nn.functional.pad(valid, (0, num_blocks * block_size - valid.shape[1]))
-    return padded.unflatten(1, (num_blocks, block_size)).any(-1)[:, None, :, None, None]
+    """bool [B, 1, num_blocks, 1, 1]: blocks with a valid key, the only ones the state specifies (ops/quest.py);
+    a row's blocks count from its first valid position, so those are its first ceil(valid count / block_size)."""
+    count = valid.sum(-1, keepdim=True)                                                   # [B, 1]
+    held = torch.arange(num_blocks) * block_size < count                                  # [B, num_blocks]
+    return held[:, None, :, None, None]
 
 
 def assert_fresh_where_specified(got: torch.Tensor, want: torch.Tensor, valid: torch.Tensor, block_size: int,

@@ -150,6 +150,32 @@ def test_mixed_attention_equals_full_at_z1_and_sparse_at_z0_per_decode_row(seed)
                 assert torch.equal(st.inherited[:, :, i], blocks_of_index(idx_out, nb))
 
 
+def test_mixed_attention_counts_blocks_from_each_rows_first_position():
+    # left-padded rows (row_start): each decode row equals the spine's op with that row's valid range, whose blocks
+    # are text-relative (ops/row_alignment.py), for the full map's selection and the sparse map alike
+    from lychee_compile.ops.reference import blocks_of_index
+    B, Hkv, G, L, T, D, bs, k_sel = 2, 2, 2, 3, 60, 8, 4, 3
+    q, k, v, _ = _random_case(7, B, Hkv, G, L, T, D, bs, k_sel)
+    row_start = torch.tensor([0, 13])
+    scale = D ** -0.5
+    st = MixedAttention(torch.full((3, Hkv), 1.0), num_select=k_sel, block_size=bs, sink_tokens=4, local_tokens=6,
+                        row_start=row_start)
+    mixed_attention(q, k, v, st, layer=0, scale=scale)         # layer 0: full; its selection is inherited below
+    inherited = st.inherited.clone()
+    st.gates = torch.zeros(3, Hkv)
+    out = mixed_attention(q, k, v, st, layer=1, scale=scale)     # layer 1: sparse map only (z = 0)
+    for i in range(L):
+        valid = torch.zeros(B, T, dtype=torch.bool)
+        for b in range(B):
+            valid[b, int(row_start[b]):T - L + i + 1] = True
+        ref, _ = hybrid_decode_reference(q[:, :, i:i + 1], k, v, valid, torch.zeros(Hkv, dtype=torch.bool),
+                                         _idx_of(inherited[:, :, i], k_sel), scale, bs, 4, 6)
+        torch.testing.assert_close(out[:, :, i:i + 1], ref, rtol=1e-5, atol=1e-5)
+        _, idx_out = hybrid_decode_reference(q[:, :, i:i + 1], k, v, valid, torch.ones(Hkv, dtype=torch.bool),
+                                             _idx_of(inherited[:, :, i], k_sel), scale, bs, 4, 6)
+        assert torch.equal(st.inherited[:, :, i], blocks_of_index(idx_out, -(-T // bs)))
+
+
 def test_mixed_attention_interpolates_linearly_in_z():
     q, k, v, inherited = _random_case(5)
     outs = {}

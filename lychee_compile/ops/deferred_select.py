@@ -46,7 +46,8 @@ def select_rows_reference(keys, idx, rowlo, rowhi, tvp, retrieval, select, block
     score = torch.where(candidate, keys.view(torch.float32), 0.0)
     fixed = torch.where((keys < -1) & (blk < nbv), -(keys.view(torch.float32)), 0.0).sum(-1) / group
     lo, hi = rowlo.to(torch.int64), rowhi.to(torch.int64)
-    valid_blocks = torch.where(hi > lo, (hi - 1) // block_size - lo // block_size + 1, 0)[:, None]   # [B, 1]
+    valid_blocks = (hi - lo + block_size - 1).clamp_min(0) // block_size                    # text-relative
+    valid_blocks = valid_blocks[:, None]                                                              # [B, 1]
     picked = ranked_selection(score, candidate, idx.shape[-1], group, policy, policy_param, fixed, valid_blocks)
     rows = (retrieval.to(torch.bool) & select.to(torch.bool))[None, :, None]
     idx.copy_(torch.where(rows, picked.to(INDEX_DTYPE), idx))

@@ -7,7 +7,8 @@ address is static across steps, as CUDA graphs need):
         Lg   global layers (slot i = the i-th global layer in layer order)
         NBH  = ceil(max_position_embeddings / block_size) blocks, >= any cache's block count
     heat[b, i, h, blk] = sum over past decode steps t of decay^(now - t) * (probability mass the head put on the
-    block at step t, summed over its G query heads; 0 where it did not attend). Zeroed at every prefill.
+    block at step t, summed over its G query heads; 0 where it did not attend). Zeroed at every prefill. Blocks are
+    text-relative (row_alignment.py: block j of row b starts at the row's first valid position + j * block_size).
     Memory: 4 bytes per block per (layer, KV head) -- for block_size 16, 1/(16 * D * 2 * 2 / 4) of the bf16 KV cache
     (0.05% at D = 128).
 

@@ -6,8 +6,9 @@ Layout (a plain tensor, passed as an explicit op input and returned as an explic
         B    batch rows (each row selects on its own)
         Hkv  KV heads of the layer (selection is per KV head, shared by its G query heads)
         K    = LycheeConfig.num_select = ceil(budget / block_size), the fixed capacity
-    idx[b, h, j] is an absolute block number (block i = positions [i*block_size, (i+1)*block_size)),
-    or EMPTY (-1) for an unused slot.
+    idx[b, h, j] is a text-relative block number of row b (block i = positions [lo_b + i*block_size,
+    lo_b + (i+1)*block_size), lo_b the row's first valid position: ops/row_alignment.py), or EMPTY (-1) for an
+    unused slot.
     Invariants: the real entries of a slot row are distinct, sorted ascending, and come before every EMPTY;
     sink and local blocks are never stored (they are attended by every head anyway and are outside the budget).
 

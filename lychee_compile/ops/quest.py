@@ -17,7 +17,8 @@ Two ways to get the descriptors, with the same values:
 
 State layout (one buffer per compiled model, the non-persistent buffer `_lychee_quest`, static address):
 
-    desc: [B, Lg, Hkv, NB, 2, D]   desc[..., 0, :] = kmin, desc[..., 1, :] = kmax (+inf / -inf: no valid key)
+    desc: [B, Lg, Hkv, NB, 2, D]   desc[..., 0, :] = kmin, desc[..., 1, :] = kmax (+inf / -inf: no valid key);
+        block j of row b is text-relative: positions [lo_b + j * block_size, ...) (row_alignment.py)
         Lg  global layers (slot i = the i-th global layer in layer order)
         NB  >= ceil(cache capacity / block_size): a static cache's capacity, or max_position_embeddings for a
             cache that grows (DynamicCache)
@@ -39,15 +40,19 @@ from __future__ import annotations
 
 import torch
 
+from .row_alignment import row_start, to_text
+
 QUEST_MODES = {"off": 0, "all": 1, "sparse": 2}
 
 
 def block_min_max(k: torch.Tensor, valid: torch.Tensor, block_size: int, num_blocks: int):
-    """k [B, H, T, D], valid bool [B, T] -> (kmin, kmax) fp32 [B, H, nb, D] over valid keys (+inf / -inf if none)."""
+    """k [B, H, T, D], valid bool [B, T] -> (kmin, kmax) fp32 [B, H, nb, D] over valid keys (+inf / -inf if none),
+    per text-relative block (row_alignment.py)."""
     B, H, T, D = k.shape
     pad = num_blocks * block_size - T
-    kf = torch.nn.functional.pad(k.float(), (0, 0, 0, pad))
-    ok = torch.nn.functional.pad(valid, (0, pad), value=False)[:, None, :, None]
+    lo = row_start(valid)
+    kf = torch.nn.functional.pad(to_text(k.float(), lo, dim=2), (0, 0, 0, pad))
+    ok = torch.nn.functional.pad(to_text(valid, lo, fill=False), (0, pad), value=False)[:, None, :, None]
     inf = torch.tensor(float("inf"))
     kmin = torch.where(ok, kf, inf).unflatten(2, (num_blocks, block_size)).amin(3)
     kmax = torch.where(ok, kf, -inf).unflatten(2, (num_blocks, block_size)).amax(3)
@@ -65,9 +70,10 @@ def block_descriptors(k: torch.Tensor, valid: torch.Tensor, block_size: int, num
 
 
 def fold_newest_key_(desc: torch.Tensor, slot: int, k: torch.Tensor, valid: torch.Tensor, block_size: int) -> None:
-    """One decode step of one layer, IN PLACE: in desc [B, Lg, H, NB, 2, D] (the whole descriptor buffer) (the previous step's), slot `slot`'s
-    block of each row's newest valid key, (hi - 1) // block_size, is recomputed from k [B, H, T, D] (block_size
-    keys); nothing else is written. A row with no valid key writes +inf / -inf into its block 0, which holds no valid
+    """One decode step of one layer, IN PLACE: in desc [B, Lg, H, NB, 2, D] (the whole descriptor buffer, the
+    previous step's), slot `slot`'s block of each row's newest valid key, (hi - 1 - lo) // block_size
+    (text-relative), is recomputed from k [B, H, T, D] (block_size keys); nothing else is written. A row with no
+    valid key writes +inf / -inf into its block 0, which holds no valid
     key then (unspecified blocks: module docstring).
 
     The write is one index_put_ on the desc itself, not on a view of its slot: functionalized, an in-place write
@@ -86,8 +92,9 @@ def fold_newest_key_(desc: torch.Tensor, slot: int, k: torch.Tensor, valid: torc
     dev = k.device
     pos = torch.arange(T, device=dev)
     newest = torch.where(valid, pos, -1).amax(-1)                                  # [B]; -1: no valid key
-    blk = newest.clamp_min(0) // block_size                                        # [B]
-    tok = blk[:, None] * block_size + torch.arange(block_size, device=dev)         # [B, bs] the block's positions
+    lo = row_start(valid)                                                          # [B]; 0: no valid key
+    blk = (newest - lo).clamp_min(0) // block_size                                 # [B] text-relative
+    tok = lo[:, None] + blk[:, None] * block_size + torch.arange(block_size, device=dev)   # [B, bs] its positions
     inside = tok < T                                                               # the last block may be short
     tok = tok.clamp(max=T - 1)
     ok = (torch.gather(valid, 1, tok) & inside)[:, None, :, None]                  # [B, 1, bs, 1]

@@ -4,6 +4,10 @@ Names and shapes (one global layer, decode step, query length 1):
     q        [B, Hq, 1, D]   queries; Hq = Hkv * G (G query heads per KV head, GQA group)
     k, v     [B, Hkv, T, D]  the un-expanded KV cache; T = cache capacity (static) or current length (dynamic)
     valid    bool [B, T]     positions the row's attention mask allows (left padding: [pad_b, pos+1))
+Blocks are text-relative (row_alignment.py): block j of row b is the positions [lo_b + j*bs, lo_b + (j+1)*bs),
+lo_b = the row's first valid position, so a padded prompt gets the blocks it gets alone; idx, extra, mass, heat and
+the Quest descriptors all number blocks this way, nb = ceil(T / bs) per row (blocks past the row's end hold no
+valid position). Without padding block j is the positions [j*bs, (j+1)*bs).
     retrieval bool [Hkv]     True: retrieval head (full attention + selection); False: sparse head
     idx_in   int32 [B, Hkv, K]  index state from the previous global layer (see index_state.py)
     out      [B, Hq, 1, D]   attention output, q.dtype
@@ -30,6 +34,7 @@ from . import sparsity
 from .index_state import EMPTY, INDEX_DTYPE
 from .quest import QUEST_MODES, block_min_max, fold_newest_key_, quest_bound
 from .policies import POLICIES, rank_score, ranked_selection, select_top_blocks
+from .row_alignment import row_start, to_cache, to_text
 
 
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -55,19 +60,31 @@ def block_sum(tok: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tens
 
 
 def sink_local_blocks(valid: torch.Tensor, block_size: int, num_blocks: int, sink_tokens: int, local_tokens: int):
-    """Blocks holding the first `sink_tokens` / last `local_tokens` valid positions of each row: 2 x bool [B, nb]."""
+    """Blocks holding the first `sink_tokens` / last `local_tokens` valid positions of each row: 2 x bool [B, nb].
+    Blocks are counted from position 0 of `valid`'s axis: pass it text-relative (block_masks does)."""
     count = torch.cumsum(valid.to(torch.int64), dim=-1)         # [B, T] valid positions up to and incl. t
-    n_valid = count[:, -1:]                                     # [B, 1]
+    n_valid = count[..., -1:]                                   # [B, 1]
     sink_tok = valid & (count <= sink_tokens)
     local_tok = valid & (count > n_valid - local_tokens)
     return block_any(sink_tok, block_size, num_blocks), block_any(local_tok, block_size, num_blocks)
 
 
 def block_masks(valid: torch.Tensor, block_size: int, num_blocks: int, sink_tokens: int, local_tokens: int):
-    """(valid_blk, fixed_blk) bool [B, nb]: blocks holding a valid position; sink | local blocks (every head attends
-    them, no index row stores them)."""
-    sink_blk, local_blk = sink_local_blocks(valid, block_size, num_blocks, sink_tokens, local_tokens)
-    return block_any(valid, block_size, num_blocks), sink_blk | local_blk
+    """(valid_blk, fixed_blk) bool [B, nb] of valid bool [B, T] (cache positions), in text-relative blocks: blocks
+    holding a valid position; sink | local blocks (every head attends them, no index row stores them)."""
+    text = to_text(valid, row_start(valid), fill=False)
+    sink_blk, local_blk = sink_local_blocks(text, block_size, num_blocks, sink_tokens, local_tokens)
+    return block_any(text, block_size, num_blocks), sink_blk | local_blk
+
+
+def text_block_sum(tok: torch.Tensor, lo: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tensor:
+    """[B, ..., T] per cache position -> [B, ..., nb] sums over text-relative blocks (row b's start lo [B])."""
+    return block_sum(to_text(tok, lo), block_size, num_blocks)
+
+
+def block_tokens(blk: torch.Tensor, lo: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """bool [B, ..., nb] text-relative blocks -> bool [B, ..., T = length]: the cache positions they cover."""
+    return to_cache(blk.repeat_interleave(block_size, dim=-1)[..., :length], lo, fill=False)
 
 
 def blocks_of_index(idx: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -149,11 +166,12 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
     k_sel = idx_in.shape[-1]
 
     scores = torch.einsum("bhgd,bhtd->bhgt", grouped_queries(q, Hkv), k.float()) * scale            # [B,Hkv,G,T]
+    lo = row_start(valid)                                                                          # [B]
     valid_blk, fixed_blk = block_masks(valid, block_size, nb, sink_tokens, local_tokens)           # [B, nb]
 
     # Retrieval heads: full attention over valid positions, block scores for the next layer's selection.
     p_full = masked_softmax(scores, valid[:, None, None, :])
-    block_score = block_sum(p_full.sum(dim=2), block_size, nb)                                     # [B,Hkv,nb]
+    block_score = text_block_sum(p_full.sum(dim=2), lo, block_size, nb)                            # [B,Hkv,nb]
     candidate = (valid_blk & ~fixed_blk)[:, None, :].expand(B, Hkv, nb)
     fixed_mass = (block_score * fixed_blk[:, None, :]).sum(-1) / G                                 # [B, Hkv]
     ranked = rank_score(block_score) if policy == POLICIES["topk"] else block_score   # 12 significant bits
@@ -183,7 +201,7 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
     if heat is not None and heat_blocks > 0:
         # EvoSparse: a sparse head also attends its hottest blocks (heat of earlier steps), this layer only.
         sparse_blk = sparse_blk | blocks_of_index(heat_picks(heat, sparse_blk, valid_blk, heat_blocks), nb)
-    sparse_tok = sparse_blk.repeat_interleave(block_size, dim=-1)[..., :T] & valid[:, None, :]      # [B,Hkv,T]
+    sparse_tok = block_tokens(sparse_blk, lo, block_size, T) & valid[:, None, :]                   # [B,Hkv,T]
 
     attend = torch.where(is_retrieval, valid[:, None, :], sparse_tok)                              # [B,Hkv,T]
     p = torch.where(is_retrieval[..., None], p_full, masked_softmax(scores, attend[:, :, None, :]))
@@ -197,5 +215,5 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
         return out, idx_out, desc_out
     if heat is None and not with_mass:
         return out, idx_out
-    mass = block_sum(p.sum(dim=2), block_size, nb)                                                 # [B,Hkv,nb]
+    mass = text_block_sum(p.sum(dim=2), lo, block_size, nb)                                        # [B,Hkv,nb]
     return (out, idx_out, mass) if with_mass else (out, idx_out, heat_update(heat, mass, heat_decay))
