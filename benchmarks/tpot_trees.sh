@@ -16,7 +16,8 @@ for i in $(seq "$n"); do
     TORCHINDUCTOR_CACHE_DIR=$log/inductor_$tree TRITON_CACHE_DIR=$log/triton_$tree PYTHONPATH=$dir \
       python3 "$dir/benchmarks/e2e.py" "${args[@]}" --warm-cache --out "$log/out_${tree}_$i" > "$log/${tree}_$i.txt" 2>&1 \
       || { echo "$tree $i failed:"; tail -20 "$log/${tree}_$i.txt"; exit 1; }
-    tpot=$(grep -o "TPOT *[0-9.]* ms" "$log/${tree}_$i.txt" | tail -1)
+    tpot=$(grep -oE "TPOT +[0-9][0-9.]* ms" "$log/${tree}_$i.txt" | tail -1)
+    [ -n "$tpot" ] || { echo "$tree $i: no timed row (e.g. --max-seconds reached: $log/${tree}_$i.txt)"; exit 1; }
     echo "$tree $i: $tpot"
   done
 done | tee "$log/summary.txt"
