@@ -34,12 +34,17 @@ def test_bad_masks_are_refused_by_name(name):
         check_padding_mask(torch.ones(1, 1, 4, 4))
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_generate_refuses_a_hole_before_any_forward(backend):
-    model = make("llama", "sdpa")
+@pytest.mark.parametrize("backend", ["eager", "inductor", "interpreted kernels"])
+def test_generate_refuses_a_hole_before_any_forward(backend, request):
+    # "interpreted kernels": bf16 through Inductor's Triton code generation on CPU (the Triton interpreter), the path
+    # a CUDA model takes; after the refusal the same model decodes the left-padded batch on the kernels
+    kernels = backend == "interpreted kernels"
+    if kernels:
+        request.getfixturevalue("inductor_triton_on_cpu")
+    model = make("llama", "sdpa").to(torch.bfloat16 if kernels else torch.float32)
     lychee_compile(model, HeadMap(mixed_map(model)).with_model_metadata(model),
                    LycheeConfig(budget=8, block_size=4, sink_tokens=2, local_tokens=2,
-                                backend=backend))
+                                backend="inductor" if kernels else backend))
     ids, mask = make_batch(lengths=(12, 9))
     holed = mask.clone()
     holed[1, 6] = 0                      # row 1's prompt is positions 3..11: a hole at 6
@@ -48,6 +53,9 @@ def test_generate_refuses_a_hole_before_any_forward(backend):
     with pytest.raises(LycheeCompileError, match=r"rows \[1\] have padding between valid positions"):
         generate_logits(model, ids, holed, 3)
     assert forwards == [] and state_of(model).counters.decode_calls == 0
-    if backend == "eager":               # the same model still generates from the left-padded mask
+    if backend != "inductor":            # the same model still generates from the left-padded mask
         generate_logits(model, ids, mask, 3)
         assert state_of(model).counters.decode_calls == 2 and len(forwards) == 3
+    if kernels:
+        counters = state_of(model).counters
+        assert counters.sites_on_kernel == counters.sites_rewritten > 0 and counters.sites_on_reference == 0
