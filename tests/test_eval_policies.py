@@ -97,14 +97,15 @@ def test_collector_hand_made_case():
         _op(q, k, v, valid, torch.zeros(Hkv, dtype=torch.bool), idx, 3, 0.25)
     assert sparsity.ACTIVE is None and sp.calls == 2 and sp.capacity == K
     # row 0: 10 valid blocks; sink block 0, local tokens 35..39 -> blocks 8, 9; candidates 1..7; keep ceil(2.5) = 3
-    # row 1: valid blocks 1..9 (9; block 1 holds only tokens 6, 7); sink tokens 6..8 -> blocks 1, 2; local blocks
-    #        8, 9; candidates 3..7; keep ceil(2.25) = 3
+    # row 1: blocks count from its first valid position (6): block j holds tokens 6 + 4j .. 9 + 4j; 9 blocks (block
+    #        8 holds only tokens 38, 39); sink tokens 6..8 -> block 0; local tokens 35..39 -> blocks 7, 8;
+    #        candidates 1..6; keep ceil(0.25 * 9) = 3
     assert (idx >= 0).sum(-1).tolist() == [[3, 3], [3, 3]]
     s = sp.summary()
     assert s["kept_blocks"] == dict(n=4, mean=3.0, sd=0.0, min=3.0, max=3.0)
     # attended tokens of a sparse head: sink + local + kept blocks, whole blocks of valid tokens
     att0 = (4 + 8 + 3 * 4) / 40                                  # 24 / 40
-    att1 = (2 + 4 + 8 + 3 * 4) / 34                              # 26 / 34
+    att1 = (4 + 4 + 2 + 3 * 4) / 34                              # 22 / 34
     a = s["attended"]
     assert a["n"] == 4 and math.isclose(a["min"], att0, rel_tol=1e-6) and math.isclose(a["max"], att1, rel_tol=1e-6)
     assert math.isclose(a["mean"], (att0 + att1) / 2, rel_tol=1e-6)

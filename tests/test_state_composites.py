@@ -94,15 +94,16 @@ def test_quest_composite_equals_the_quest_op(seed, mode, quest_blocks):
     assert_quest_same(got, state[:, 1], want, valid)
     # in place, one block per row: the newest key's is fresh, every other block and the other slot are untouched
     assert torch.equal(state[:, 0], before[:, 0])
-    newest = [int(row.nonzero().max()) // BS for row in valid]                 # row 1: 44 // 4, its new key
-    assert newest == [10, 11]
+    # blocks count from each row's first valid position: row 1 (6 padding) has its new key 44 in block (44 - 6) // 4
+    newest = [(int(row.nonzero().max()) - int(row.nonzero().min())) // BS for row in valid]
+    assert newest == [10, 9]
     fresh = block_descriptors(k, valid, BS, NBH)
     for b, blk in enumerate(newest):
         assert torch.equal(state[b, 1, :, blk], fresh[b, :, blk])
         others = torch.arange(NBH) != blk
         assert torch.equal(state[b, 1, :, others], before[b, 1, :, others])
-    assert not torch.equal(state[1, 1, :, 11], before[1, 1, :, 11]), "the new key must change its block, or this " \
-                                                                        "test shows nothing"
+    assert not torch.equal(state[1, 1, :, newest[1]], before[1, 1, :, newest[1]]), \
+        "the new key must change its block, or this test shows nothing"
 
 
 def test_quest_composite_refuses_quest_off_and_a_bad_state():

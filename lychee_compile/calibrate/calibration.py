@@ -64,6 +64,7 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
               log=print) -> Calibration:
     """`head_scores`: float [L, Hkv] to order the heads instead of `scorer`. `certify_backend`: default "inductor"
     on a CUDA model (the GPU kernels), else `backend`. See the module docstring and docs/calibrate.md."""
+    from ..eval.scoring import dynamo_limits
     from .session import Session
     tgt = QualityTarget.parse(target)
     budgets = sorted(budgets or default_budgets(lengths, sink_tokens, local_tokens))
@@ -73,31 +74,32 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
               hardkuma_steps=hardkuma_steps, search_seed=search_seed, chat_template=chat_template)
     if certify and certify_seed == search_seed:
         raise ValueError("certify_seed must differ from search_seed: held-out prompts come from unused seeds")
-    store = Store(out_dir, _settings(model, tgt, kw))
-    s = Session(model, tokenizer, tgt, store, kw, progress, log)
-    t0 = time.perf_counter()
-    scores = s.head_scores(head_scores)
-    room = beyond_first(s.global_layers(), scores.shape[1])
-    points = walk(head_counts or default_heads(room), budgets, lambda n, b: s.evaluate_point(scores, n, b))
-    search_s = time.perf_counter() - t0
-    best = cheapest(points)
-    log(f"search: {len(points)} points visited ({s.points_evaluated} evaluated now, the rest resumed), "
-        f"{search_s:.0f} s; chosen: {_describe(best)}")
-    cert, held_out = None, {}
-    if best is not None and certify:
-        t1 = time.perf_counter()
-        held_out = {task: prompt_set(tokenizer, task, list(lengths), certify_prompts, certify_seed, text,
-                                     score_tokens, chat_template) for task in tgt.tasks}
-        for task in tgt.tasks:
-            check_disjoint(s.search_items(task), held_out[task])
-        cert = s.certify(scores, best, held_out, min_prompts, batch_size, certify_backend, certify_seed)
-        cert["wall_s"] = round(time.perf_counter() - t1, 1)
-        log(f"certify: {cert['status']} ({'; '.join(cert['reasons']) or 'every interval within the target'})")
-    from .outputs import write_outputs
-    data = digest(text, *(s.search_items(t) for t in tgt.tasks), *held_out.values())
-    status, hm, paths = write_outputs(s, scores, points, best, cert, search_s, data, out_dir)
-    return Calibration(status, hm, points, best, cert, paths, s.points_evaluated, s.scorings,
-                       cert["scored_now"] if cert else 0)
+    with dynamo_limits():     # Dynamo's recompile limits raised for the run's many variants (scoped)
+        store = Store(out_dir, _settings(model, tgt, kw))
+        s = Session(model, tokenizer, tgt, store, kw, progress, log)
+        t0 = time.perf_counter()
+        scores = s.head_scores(head_scores)
+        room = beyond_first(s.global_layers(), scores.shape[1])
+        points = walk(head_counts or default_heads(room), budgets, lambda n, b: s.evaluate_point(scores, n, b))
+        search_s = time.perf_counter() - t0
+        best = cheapest(points)
+        log(f"search: {len(points)} points visited ({s.points_evaluated} evaluated now, the rest resumed), "
+            f"{search_s:.0f} s; chosen: {_describe(best)}")
+        cert, held_out = None, {}
+        if best is not None and certify:
+            t1 = time.perf_counter()
+            held_out = {task: prompt_set(tokenizer, task, list(lengths), certify_prompts, certify_seed, text,
+                                         score_tokens, chat_template) for task in tgt.tasks}
+            for task in tgt.tasks:
+                check_disjoint(s.search_items(task), held_out[task])
+            cert = s.certify(scores, best, held_out, min_prompts, batch_size, certify_backend, certify_seed)
+            cert["wall_s"] = round(time.perf_counter() - t1, 1)
+            log(f"certify: {cert['status']} ({'; '.join(cert['reasons']) or 'every interval within the target'})")
+        from .outputs import write_outputs
+        data = digest(text, *(s.search_items(t) for t in tgt.tasks), *held_out.values())
+        status, hm, paths = write_outputs(s, scores, points, best, cert, search_s, data, out_dir)
+        return Calibration(status, hm, points, best, cert, paths, s.points_evaluated, s.scorings,
+                           cert["scored_now"] if cert else 0)
 
 
 def _describe(p) -> str:

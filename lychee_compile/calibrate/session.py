@@ -57,11 +57,10 @@ class Session:
     def variant(self, budget: int, backend: str | None = None, head_map: HeadMap | None = None):
         """The compiled weight-sharing copy for `budget` (eval/scoring.Variant through eval/methods.method_spec)."""
         from ..eval.methods import method_spec
-        from ..eval.scoring import Variant, configure_dynamo
+        from ..eval.scoring import Variant
         backend = backend or self.kw["backend"]
         key = (budget, backend)
         if key not in self._variants or head_map is not None:
-            configure_dynamo()
             hm = head_map or HeadMap.for_model(self.model, layers=[0], method="calibration probe")
             k = self.kw
             spec = method_spec("lychee", self.model, budget, hm, block_size=k["block_size"],
