@@ -1,6 +1,6 @@
 """What a compiled decode step launches around one layer's attention, read from Inductor's output code.
 
-    python benchmarks/step_kernels.py DIR [--layer N]
+    python benchmarks/probes/step_kernels.py DIR [--layer N]
 
 DIR: an Inductor cache directory (TORCHINDUCTOR_CACHE_DIR of a run made with `e2e.py --warm-cache`). Picks the
 generated module with the most launches of our template (the decode step), lists its launches between the

@@ -1,8 +1,8 @@
-"""Whole-model check on the GPU (issue 2's GPU long run; first end-to-end run of lychee_compile + Inductor + the
-Triton lowering): a SmolLM2-135M-shaped LlamaForCausalLM with random bf16 weights (the 98 MB GGUF cannot travel to
-the device in one call; NaN/recompile/memory checks and timing do not depend on the weights).
+"""Whole-model check on the GPU, over a long run, of lychee_compile + Inductor + the Triton lowering: a
+SmolLM2-135M-shaped LlamaForCausalLM with random bf16 weights (the 98 MB GGUF cannot travel to the device in one call;
+NaN/recompile/memory checks and timing do not depend on the weights).
 
-    python benchmarks/e2e_gpu_check.py --out DIR [--steps 2000] [--context 4000]
+    python benchmarks/probes/e2e_gpu_check.py --out DIR [--steps 2000] [--context 4000]
 
 1. dense: HF generate, static cache, compiled with Inductor (HF as-is)            -> tokens, logits, TPOT
 2. lychee all-retrieval map (dense semantics through our kernels)                -> logits vs dense (bf16)
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))   # the repository root
 
 
 def smollm2_shaped(device, layers=30):

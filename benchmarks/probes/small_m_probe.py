@@ -1,5 +1,5 @@
 """Can a decode step's products at a few rows (batch 2-4) run as Inductor reductions, as batch 1's do? A probe for
-issue 8's H200 batch-4 target (BENCHMARKS.md, session 12): not part of the library.
+the H200 batch-4 step within 1.2x of its bytes floor (docs/design-notes.md): not part of the library.
 
 At batch 1 LycheeConfig.tune_kernels lets Inductor decompose every one-row product into a multiply-reduce that it
 fuses and tunes (7.60 -> 7.16 ms a step at 128K on an H100). Its decomposition stops at one row, so at batch 4 every
@@ -12,7 +12,7 @@ compiled by Inductor with coordinate-descent tuning. Timed as CUDA-graph replays
 reads W from DRAM); "% copy" against a device-to-device copy measured in the same run; every compiled result checked
 against F.linear first (relative error).
 
-    python benchmarks/small_m_probe.py [--ms 1,2,4] [--out DIR]
+    python benchmarks/probes/small_m_probe.py [--ms 1,2,4] [--out DIR]
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_bench import measure_copy_bw, time_calls  # noqa: E402  (a script beside this one; benchmarks/ is no package)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # benchmarks/, for attention_bench
+from attention_bench import measure_copy_bw, time_calls  # noqa: E402  (benchmarks/ is no package)
 
 SHAPES = {"qkv (fused)": (6144, 4096), "o_proj": (4096, 4096), "gate_up (fused)": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}

@@ -1,5 +1,5 @@
 """How far is cuBLAS from the copy rate on a decode step's matrix-vector products, and would a plain Triton GEMV do
-better? A probe for issue 8's "<= 1.2x its floor" (BENCHMARKS.md, session 9): not part of the library.
+better? A probe toward a batch-1 step within 1.2x of its bytes floor (docs/design-notes.md): not part of the library.
 
 For each Llama-3-8B decode product (x [M, K] @ W[N, K]^T, bf16, M = batch rows; the shapes after fuse_linears):
 cuBLAS through F.linear (and through cuBLASLt, torch.backends.cuda.preferred_blas_library), and a Triton GEMV (rows of W per program, optional split-K with fp32 atomics) over a small
@@ -7,7 +7,7 @@ grid of tile shapes. Timed as CUDA-graph replays rotating over enough weight cop
 bytes = weight + activations; rate = bytes / time; "% copy" against a device-to-device copy measured in the same run.
 Every Triton result is checked against F.linear (relative error) before it is timed.
 
-    python benchmarks/gemv_probe.py [--m 1] [--out DIR]
+    python benchmarks/probes/gemv_probe.py [--m 1] [--out DIR]
 """
 from __future__ import annotations
 

@@ -3,9 +3,9 @@ counts, and name the kernels each one launches (torch.profiler). cuBLAS settings
 workspace, CUBLAS_WORKSPACE_CONFIG) are compared by running this script once per setting; per-call settings by
 flags:
 
-    python benchmarks/blas_probe.py --ms 1,2,4,4096,32768 --tag base --out $OUT
-    CUBLAS_WORKSPACE_CONFIG=:0:0 python benchmarks/blas_probe.py ... --tag ws0
-    python benchmarks/blas_probe.py ... --no-reduced-precision --tag fp32red
+    python benchmarks/probes/blas_probe.py --ms 1,2,4,4096,32768 --tag base --out $OUT
+    CUBLAS_WORKSPACE_CONFIG=:0:0 python benchmarks/probes/blas_probe.py ... --tag ws0
+    python benchmarks/probes/blas_probe.py ... --no-reduced-precision --tag fp32red
 
 Each product is timed as attention_bench.time_calls times a kernel: the median of CUDA-graph replays of 20
 back-to-back calls (weights rotated over enough copies that each call reads its weight from HBM, not L2). A benchmark, not a test."""
@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
-from attention_bench import time_calls      # benchmarks/ is on sys.path when this script runs
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # benchmarks/, for attention_bench
+from attention_bench import time_calls  # noqa: E402  (benchmarks/ is no package)
 
 # (name, K, N) of y = x @ W^T, W [N, K]: Llama-3-8B (q/k/v and gate/up fused, as lychee's fuse_linears pass does)
 PRODUCTS = [("qkv", 4096, 6144), ("o_proj", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]

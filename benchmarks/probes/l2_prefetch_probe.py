@@ -1,8 +1,9 @@
 """Would prefetching the next product's weights into L2, during the latency-bound kernels before it, speed up a
-decode step? A probe for issue 8's "<= 1.2x its floor" (BENCHMARKS.md, session 12): not part of the library.
+decode step? A probe toward a batch-1 step within 1.2x of its bytes floor (docs/design-notes.md): not part of the
+library.
 
-Why: at batch 1 the o_proj (32 MB) and fused q/k/v (48 MB) products run at ~70-77% of the copy rate (session 11
-profile), while the kernels just before them (the hybrid combine, the residual add + RMSNorm) move almost no bytes
+Why: at batch 1 the o_proj (32 MB) and fused q/k/v (48 MB) products run at ~70-77% of the copy rate (a profile of
+the step), while the kernels just before them (the hybrid combine, the residual add + RMSNorm) move almost no bytes
 for ~5-12 us. The H100's L2 holds 50 MB. If a fire-and-forget prefetch issued before those kernels lands (part of)
 the next weight in L2, the product reads it from there.
 
@@ -13,7 +14,7 @@ every product starts from DRAM unless a prefetch brought it in:
 Prefetch kinds: "bulk" (cp.async.bulk.prefetch.L2, one instruction per CHUNK bytes, sm_90), "line"
 (prefetch.global.L2::evict_last per 128-byte line), "load" (ld with evict_last, summed into a dummy).
 
-    python benchmarks/l2_prefetch_probe.py [--out DIR]
+    python benchmarks/probes/l2_prefetch_probe.py [--out DIR]
 """
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_bench import measure_copy_bw, time_calls  # noqa: E402  (a script beside this one; benchmarks/ is no package)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(BENCH))   # the repository root, for lychee_compile
+sys.path.insert(0, BENCH)                    # benchmarks/, for attention_bench
+from attention_bench import measure_copy_bw, time_calls  # noqa: E402  (benchmarks/ is no package)
 
 
 @triton.jit

@@ -1,8 +1,8 @@
 """What a kernel launch and a chain of dependent loads cost, timed the way the kernel benchmark times our op
 (attention_bench.time_calls: the median of CUDA-graph replays of back-to-back calls). It sizes the fixed cost of
-the decode op's split and combine launches (BENCHMARKS.md, session 18: 8.5 us for the pair with almost no work):
+the decode op's split and combine launches (8.5 us for the pair with almost no work; docs/design-notes.md):
 
-    python benchmarks/launch_probe.py --out $OUT
+    python benchmarks/probes/launch_probe.py --out $OUT
 
 Each probe kernel runs `--grid` programs of 4 warps (264 = the split's grid on an H100; 96 = the combine's at
 Llama-3-8B shapes, 128K, batch 1). Every program follows a chain of `loads` dependent scalar loads (each address
@@ -21,7 +21,8 @@ import time
 import torch
 import triton
 import triton.language as tl
-from attention_bench import time_calls      # benchmarks/ is on sys.path when this script runs
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # benchmarks/, for attention_bench
+from attention_bench import time_calls  # noqa: E402  (benchmarks/ is no package)
 
 TABLE = 4096      # int32 entries of the chain table
 

@@ -1,7 +1,7 @@
 """Can a hand-written Triton product for a few rows (batch 2-4 decode) beat cuBLAS at Llama-3-8B's shapes? A probe for
-issue 8's H200 batch-4 target (BENCHMARKS.md, session 13): not part of the library.
+the H200 batch-4 step within 1.2x of its bytes floor (docs/design-notes.md): not part of the library.
 
-small_m_probe.py (session 13, H200) found cuBLAS 1.3-1.7x over the bytes floor on the small products at M=4 (q/k/v
+small_m_probe.py (H200) found cuBLAS 1.3-1.7x over the bytes floor on the small products at M=4 (q/k/v
 15.6 us vs 11.9, o_proj 13.5 vs 8.0, down 31.8 vs 27.9) and Inductor's own reductions slower still. Here each
 program owns BLOCK_N weight rows and streams them over K once, for all M rows of x at a time, so W is read once
 and there is no split-K reduce:
@@ -12,8 +12,8 @@ and there is no split-K reduce:
 Every configuration of a small grid is checked against F.linear (relative error) and timed as CUDA-graph replays
 rotating over weight copies (> L2), against cuBLAS and the bytes floor (a device copy measured in the same run).
 
-    python benchmarks/small_m_gemv_probe.py [--ms 1,2,4] [--out DIR]
-    TRITON_INTERPRET=1 python benchmarks/small_m_gemv_probe.py --check-only    (CPU: the kernels' math)
+    python benchmarks/probes/small_m_gemv_probe.py [--ms 1,2,4] [--out DIR]
+    TRITON_INTERPRET=1 python benchmarks/probes/small_m_gemv_probe.py --check-only    (CPU: the kernels' math)
 """
 from __future__ import annotations
 
@@ -108,7 +108,8 @@ def main():
     args = ap.parse_args()
     if args.check_only:
         return check("cpu")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [here, os.path.dirname(here)]      # probes/ for small_m_probe, benchmarks/ for attention_bench
     from attention_bench import measure_copy_bw, time_calls
     from small_m_probe import header, product_cases, rel_err, write
     check("cuda")
