@@ -1,4 +1,5 @@
-"""Issue 4 benchmark: one layer of hybrid decode attention, Llama-3-8B shapes (32 q / 8 KV heads, d=128, bf16).
+"""The decode attention kernel benchmark: one layer of hybrid decode attention, Llama-3-8B shapes (32 q / 8 KV heads,
+d=128, bf16).
 
 Run on a CUDA machine:  PYTHONUNBUFFERED=1 python benchmarks/attention_bench.py --out DIR [--quick]
                         [--head-dim 96]   (another head dim for every row, e.g. Phi-3's 96, padded inside the kernels)

@@ -1,6 +1,6 @@
 """Markdown table of an attention_bench.py results JSON (no GPU, no torch): one row per grid row.
 
-    python benchmarks/grid_table.py benchmarks/results/attention_bench_h100_s19_grid.json [--variant dp]
+    python benchmarks/grid_table.py benchmarks/results/attention_grid_h100.json [--variant dp]
 
 "critical path" is the variant named by --variant (run with --variants '{"dp": {"defer": true, "defer_launch":
 false, "pdl": 1}}': the split and the key-writing combine launched with PDL, what a compiled model waits for; the

@@ -1,7 +1,7 @@
 """Small paired quality probes on SmolLM2 with named variants: a diagnosis or a confirmation on chosen prompts, not
 the harness's full grid (that is `lychee eval` / benchmarks/real_gpu.py).
 
-    # the passkey-2K prompts lychee@512 lost in the 300-prompt run, with the issue-7 variants at <= 512 tokens:
+    # the passkey-2K prompts lychee@512 lost in the 300-prompt run, with heat / Quest-sparse at <= 512 tokens:
     python benchmarks/quality_probe.py --task passkey --prompts 5,120,191,270,0,145 \
         --variants lychee@512,lychee+qs8@384,lychee+qs16@256,lychee+heat8@384 --out probe.json
     # a configuration chosen on the repeat test's seed-0 prompts, confirmed on 16 fresh ones:

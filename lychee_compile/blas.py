@@ -3,7 +3,7 @@
 A decode step's matrix products have a few rows (the batch). For some of them cuBLAS splits the K dimension to fill
 the GPU and reduces the parts in a second kernel, which needs its workspace: on the H200 (torch 2.11, cuBLAS 13)
 o_proj and down_proj of Llama-3-8B at 1-4 rows ran as `nvjet_..._splitK` + `cublasLt::splitKreduce_kernel`, 14.1 and
-32.3 us; without a workspace cuBLAS picks one kernel each, 11.5 and 30.3 us (`benchmarks/blas_probe.py`). In the
+32.3 us; without a workspace cuBLAS picks one kernel each, 11.5 and 30.3 us (`benchmarks/probes/blas_probe.py`). In the
 whole 128K batch-4 step that was 7.70-7.73 -> 7.53 ms.
 
 PyTorch reads CUBLAS_WORKSPACE_CONFIG each time it hands a cuBLAS handle its workspace (CublasHandlePool.cpp,

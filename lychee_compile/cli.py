@@ -70,7 +70,7 @@ def demo(args) -> int:
         head_map = load_shipped_map()
         meta = head_map.metadata
         map_desc = (f"LEARNED (shipped): {shipped_map_path()} -- {head_map!r}, {meta.get('steps', '?')} training "
-                    f"steps, made by `{meta.get('source_command', '?')}` (see EVALUATION.md); "
+                    f"steps, made by `{meta.get('source_command', '?')}` (see docs/quality.md); "
                     f"--placeholder-map for the layer-level placeholder")
     else:
         head_map, layers = _placeholder_head_map(model)

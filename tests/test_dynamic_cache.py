@@ -1,4 +1,4 @@
-"""DynamicCache (issues 2 and 4: "static and dynamic caches"): decode steps on a DynamicCache run the rewrite with a
+"""DynamicCache: decode steps on a DynamicCache run the rewrite with a
 symbolic cache length -- equal to the independent semantics (mixed maps) and to dense (all retrieval), one graph for
 every length, options that need the static cache refused, and bypasses still not silent in strict mode."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Selection policies in the evaluation harness (issue 7): the policy methods' configs, --policy-param, and the
+"""Selection policies in the evaluation harness: the policy methods' configs, --policy-param, and the
 sparsity collector (ops/sparsity.py) against plain recomputations on hand-made cases. Tiny models, fast."""
 from __future__ import annotations
 

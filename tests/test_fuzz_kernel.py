@@ -1,4 +1,4 @@
-"""Issue 2, op level: the op's compiled path -- the generated Triton kernels, run by the Triton interpreter on CPU --
+"""Fuzzing, op level: the op's compiled path -- the generated Triton kernels, run by the Triton interpreter on CPU --
 equals the eager reference over random shapes and settings: batch 1-4, GQA groups 1/2/3/4/7/8, head_dim 32/64/128,
 bf16/fp16, block sizes, budgets, sink/local, per-row valid ranges at block and budget boundaries, head maps.
 Outputs within bf16/fp16 tolerance, index sets identical except where the reference's block scores tie (the same

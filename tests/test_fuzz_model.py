@@ -1,4 +1,4 @@
-"""Issue 2, model level: random tiny configs, head maps and LycheeConfigs; the compiled generate() equals the
+"""Fuzzing, model level: random tiny configs, head maps and LycheeConfigs; the compiled generate() equals the
 independent semantics reference (tests/semantics_ref.py) token for token over 8 steps, logits within 1e-4, on a
 static cache or a DynamicCache (drawn; the reference runs on the same cache kind).
 

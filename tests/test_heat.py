@@ -1,4 +1,4 @@
-"""EvoSparse heat (issue 7): the compiled model with heat equals the independent heat semantics; the state is wired
+"""EvoSparse heat: the compiled model with heat equals the independent heat semantics; the state is wired
 in the graph (snapshot tokens); it resets between generate() calls; a nonsense decay is refused."""
 from __future__ import annotations
 

@@ -230,7 +230,7 @@ def test_kernel_head_map_is_runtime_data():
     assert standalone._standalone.cache_info().currsize - before <= 2
 
 
-# selection policies (issue 7): every value the acceptance asks for, on one case per dtype and group size
+# selection policies: every policy at several parameter values, on one case per dtype and group size
 POLICY_PARAMS = [("topp", 0.3), ("topp", 0.6), ("topp", 0.9), ("threshold", 0.01), ("threshold", 0.05),
                  ("ratio", 0.1), ("ratio", 0.3), ("ratio", 1.0)]
 

@@ -20,10 +20,10 @@ CONFIGS = [
     (3, 2, 256, 32, "bf16", 512, 0, 0.0),
     (7, 2, 128, 64, "bf16", 4096, 0, 0.0),
     (8, 1, 128, 128, "fp16", 16384, 0, 0.0),
-    (4, 8, 128, 256, "bf16", 8192, 1, 0.9),   # issue 7: the selection policies in the combine kernel
+    (4, 8, 128, 256, "bf16", 8192, 1, 0.9),   # the selection policies in the combine kernel
     (3, 2, 128, 64, "fp16", 1024, 2, 0.01),
     (1, 4, 64, 64, "bf16", 2048, 3, 0.3),
-    (4, 8, 128, 256, "bf16", 8192, 0, 0.0, 32),   # issue 7: the mass variant (heat picks / Quest picks as EXTRA)
+    (4, 8, 128, 256, "bf16", 8192, 0, 0.0, 32),   # the mass variant (heat picks / Quest picks as EXTRA)
     (2, 4, 64, 64, "fp16", 2048, 0, 0.0, 0),
     (4, 8, 96, 128, "bf16", 8192, 0, 0.0),     # Phi-3's head dim 96 (tiles padded to 128 lanes inside)
     (1, 32, 80, 64, "fp16", 2048, 0, 0.0, 8),  # Phi-2's 80, MHA, the mass variant

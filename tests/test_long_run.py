@@ -1,4 +1,4 @@
-"""Issue 2, long runs (CPU): thousands of decode steps through the rewritten graph -- finite logits, one decode
+"""Long runs (CPU): thousands of decode steps through the rewritten graph -- finite logits, one decode
 graph, no memory growth between two identical runs, no state leaking between calls or between two compiled models.
 LYCHEE_LONG_STEPS sets the step count (default 10,000)."""
 from __future__ import annotations

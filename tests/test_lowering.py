@@ -117,7 +117,7 @@ def _policy_layer(policy, param, quest_mode=0):
 
 @pytest.mark.parametrize("policy,param", [(1, 0.6), (2, 0.05), (3, 0.3)], ids=["topp", "threshold", "ratio"])
 def test_lowering_selection_policy_emits_kernels(inductor_triton_on_cpu, policy, param):
-    # issue 7: a policy other than top-K is a constexpr of the combine template, no longer an extern fallback
+    # a policy other than top-K is a constexpr of the combine template, no longer an extern fallback
     from torch._inductor.utils import run_and_get_code
     register()
     layer = _policy_layer(policy, param)
@@ -292,7 +292,7 @@ def test_lowering_compiled_model_with_policy(inductor_triton_on_cpu, monkeypatch
 @pytest.mark.slow
 @pytest.mark.parametrize("feature", ["heat", "quest_sparse", "quest_all"])
 def test_lowering_compiled_model_with_state(inductor_triton_on_cpu, monkeypatch, feature):
-    # issue 7 on the kernel path: with heat or Quest on, every global layer's attention is our templates (the mass
+    # heat and Quest on the kernel path: with either on, every global layer's attention is our templates (the mass
     # variant where sparse heads read extra blocks), the picks and state updates are Inductor kernels around them,
     # and nothing falls back to the eager reference; the compiled model equals the eager (reference-op) one
     from lychee_compile import HeadMap, LycheeConfig, lychee_compile

@@ -1,4 +1,4 @@
-"""Selection policies (issue 7): unit semantics on hand-made scores, and the compiled model with each policy equals
+"""Selection policies: unit semantics on hand-made scores, and the compiled model with each policy equals
 the independent semantics reference."""
 from __future__ import annotations
 

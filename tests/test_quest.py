@@ -1,4 +1,4 @@
-"""Quest-style block bounds (issues 6/7): the bound is an upper bound on every key's score; the compiled model in
+"""Quest-style block bounds: the bound is an upper bound on every key's score; the compiled model in
 both modes equals the independent Quest semantics."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Quest block descriptors kept incrementally (issue 7): the `_lychee_quest` state equals a fresh min / max over the
+"""Quest block descriptors kept incrementally: the `_lychee_quest` state equals a fresh min / max over the
 valid keys after prefill, decode steps and rectification, across generate() calls and batch sizes; the stateful op
 equals the stateless definition step by step; the compiled model still equals the independent Quest semantics."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""benchmarks/real_gpu.py stage `evolve` (issue 7): its options, the heat / Quest-sparse variants it builds, and its
-paired aggregations on synthetic records. No real model, fast."""
+"""benchmarks/real_gpu.py stage `evolve` (cache evolution): its options, the heat / Quest-sparse variants it builds,
+and its paired aggregations on synthetic records. No real model, fast."""
 from __future__ import annotations
 
 import math

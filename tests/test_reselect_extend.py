@@ -1,4 +1,4 @@
-"""training.reselect.extend: a head map extended by another map's per-head scores (how EVALUATION.md's rs24 / rs32
+"""training.reselect.extend: a head map extended by another map's per-head scores (how docs/quality.md's rs24 / rs32
 maps were made); and the committed maps are what it makes from the committed inputs."""
 from __future__ import annotations
 

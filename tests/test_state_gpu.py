@@ -1,4 +1,4 @@
-"""Heat and Quest on the GPU (issue 7): the Inductor-compiled model with CUDA graphs -- our Triton templates plus the
+"""Heat and Quest on the GPU: the Inductor-compiled model with CUDA graphs -- our Triton templates plus the
 fused picks / in-place Quest state -- equals the same configuration on the eager reference op, in bf16 on CUDA.
 The CPU suite checks the same lowering under the Triton interpreter; this is the one check on real hardware."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stage `evolve` (issue 7): with/without comparisons of the cache-evolution features on the real model.
+"""Stage `evolve` (cache evolution): with/without comparisons of the cache-evolution features on the real model.
 
 Parts (--evolve-parts; default both; one part per call when a device time box cannot hold both):
 

@@ -1,4 +1,4 @@
-"""Stage `long` (issue 2): thousands of decode steps of the real SmolLM2 through lychee_compile (shipped map, static
+"""Stage `long`: thousands of decode steps of the real SmolLM2 through lychee_compile (shipped map, static
 cache), checked for NaN/Inf logits, recompiles, memory growth and state leaks between generate() calls.
 
 Two generate() calls on the same real-text passkey prompt, `steps` new tokens each (greedy, min_new_tokens = steps so

@@ -1,4 +1,4 @@
-"""Stage `train` (issue 5): `lychee train-heads --method hardkuma` on the GPU, then the passkey comparison of the
+"""Stage `train` (head training): `lychee train-heads --method hardkuma` on the GPU, then the passkey comparison of the
 trained map against the shipped one through the eval harness.
 
 Training runs as repeated `lychee train-heads` invocations with a growing --steps (the CLI resumes from its

@@ -4,7 +4,7 @@
   * the tail writes (`tail_writes`): the write-backs of mutated graph inputs that nothing in the graph reads,
     e.g. the static cache's per-layer length counters (`cumulative_length.add_(1)`, transformers 5.17-5.24).
 Why: Inductor groups nodes of one topological level only (and at most 8), so these stayed kernels of their own:
-~31 + 32 launches of ~1 us each in a Llama-3-8B step, plus a launch gap each (H200 profiles: BENCHMARKS.md).
+~31 + 32 launches of ~1 us each in a Llama-3-8B step, plus a launch gap each (H200 profiles: docs/design-notes.md).
 Safe: an input read depends on no other kernel, so the group depends on none and runs first; nothing in the graph
 reads what a tail write writes, so none depends on another (checked from the scheduler's ancestors) and delaying
 them changes no value. `step_end_groups` is what inductor_changes puts in place of Inductor's grouping, inside our

@@ -6,7 +6,7 @@ model (KernelOptions for the code-generation ones); Inductor's config is changed
 config_patches only (Inductor restores it), its class attributes only inside inductor_changes' scopes, which hold
 while Inductor compiles this graph and while the compiled graph runs.
 
-The Inductor config patches (inductor_patches), and why each, all measured side by side (BENCHMARKS.md):
+The Inductor config patches (inductor_patches), and why each, all measured side by side (docs/design-notes.md):
   * triton.cudagraphs = LycheeConfig.cuda_graphs (cudagraph trees, as mode="reduce-overhead" does).
   * combo_kernels (CUDA; KernelOptions.combo_kernels): a decode step is ~8 tiny independent pointwise / norm kernels
     per layer (rotary, the K and V cache writes, ...), each a launch and a latency; combined into fewer launches

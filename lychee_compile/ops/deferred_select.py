@@ -1,6 +1,6 @@
 """Deferred selection: a retrieval head's top-k finished off the critical path, and the op that waits for it.
 
-Why: at batch 1 the top-k over a 128K cache is ~12.6 us of ONE GPU program per layer (H100, BENCHMARKS.md), and
+Why: at batch 1 the top-k over a 128K cache is ~12.6 us of ONE GPU program per layer (H100, docs/design-notes.md), and
 the rest of the GPU waits for it, although nothing reads the new index state before the next global layer's
 attention: the o_proj, MLP and q/k/v products of ~150 us come first. With `hybrid_decode(..., defer_select=True)`
 the lowering's combine launch only writes the selection keys, and `select_rows` (a third launch) selects on a

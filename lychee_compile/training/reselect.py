@@ -5,7 +5,7 @@
     python -m lychee_compile.training.reselect SCORED.safetensors --extend BASE.safetensors --topk 24 --out ...
 The metadata is kept; `selection` and `retrieval_heads` are updated and `reselected_from` names the source.
 --extend: BASE's retrieval heads plus SCORED's best-scoring heads BASE lacks, until --topk heads beyond layer 0 (the
-layer the pass always makes all retrieval); ties: higher layer, then higher head. EVALUATION.md's rs24 / rs32 maps are
+layer the pass always makes all retrieval); ties: higher layer, then higher head. docs/quality.md's rs24 / rs32 maps are
 the shipped map extended by a retrieval-score map.
 """
 from __future__ import annotations
