@@ -263,10 +263,23 @@ def lychee_features() -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ model and cache
-def build_base_model(name: str, device: str, dtype: torch.dtype, max_len: int, layers: int | None = None):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def model_config(name: str, max_len: int, layers: int | None = None):
+    """The LlamaConfig of MODELS[name] (layer count overridden by `layers`), SDPA attention."""
+    from transformers import LlamaConfig
     shape = dict(MODELS[name], **({"num_hidden_layers": layers} if layers else {}))
-    cfg = LlamaConfig(**shape, max_position_embeddings=max_len, attn_implementation="sdpa")
+    return LlamaConfig(**shape, max_position_embeddings=max_len, attn_implementation="sdpa")
+
+
+def greedy_without_eos(model):
+    """Decoding as the benchmarks time it: greedy, no end-of-sequence token (every step runs)."""
+    gc_ = model.generation_config
+    gc_.pad_token_id, gc_.eos_token_id, gc_.do_sample = 0, None, False
+    return model
+
+
+def build_base_model(name: str, device: str, dtype: torch.dtype, max_len: int, layers: int | None = None):
+    from transformers import LlamaForCausalLM
+    cfg = model_config(name, max_len, layers)
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -275,10 +288,7 @@ def build_base_model(name: str, device: str, dtype: torch.dtype, max_len: int, l
             model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(previous)
-    model = model.eval()
-    gc_ = model.generation_config
-    gc_.pad_token_id, gc_.eos_token_id, gc_.do_sample = 0, None, False
-    return model
+    return greedy_without_eos(model.eval())
 
 
 def clone_model(base):
@@ -289,21 +299,29 @@ def clone_model(base):
 
 def weights_bytes(model, batch: int) -> int:
     """Bytes of weights one decode step reads: every parameter once, except that an untied input embedding is
-    read only at the batch's token rows."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb = model.get_input_embeddings().weight
-    out = model.get_output_embeddings().weight
+    read only at the batch's token rows. Tensor parallel (DTensor weights): this rank's shards."""
+    total = sum(p.numel() * p.element_size() for p in map(local_tensor, model.parameters()))
+    emb = local_tensor(model.get_input_embeddings().weight)
+    out = local_tensor(model.get_output_embeddings().weight)
     if emb.data_ptr() != out.data_ptr():
         total -= emb.numel() * emb.element_size() - batch * emb.shape[1] * emb.element_size()
     return total
 
 
-def make_cache(model, batch: int, max_len: int, device: str, dtype: torch.dtype, seed: int):
-    """StaticCache initialized ahead of time and filled with random K/V (never zeros), one layer at a time."""
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; any other tensor itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def make_cache(model, batch: int, max_len: int, device: str, dtype: torch.dtype, seed: int,
+               kv_heads: int | None = None):
+    """StaticCache initialized ahead of time and filled with random K/V (never zeros), one layer at a time.
+    kv_heads: the KV heads one layer's cache holds (default the config's; tensor parallel: this rank's)."""
     from transformers import StaticCache
     cfg = model.config
     cache = StaticCache(config=cfg, max_cache_len=max_len)
-    cache.early_initialization(batch, cfg.num_key_value_heads, cfg.head_dim, dtype, torch.device(device))
+    cache.early_initialization(batch, kv_heads or cfg.num_key_value_heads, cfg.head_dim, dtype,
+                               torch.device(device))
     gen = torch.Generator(device=device).manual_seed(seed)
     for layer in cache.layers:
         for t in (layer.keys, layer.values):
@@ -491,15 +509,20 @@ def random_map(model, share: float, seed: int):
     within a layer (timing does not depend on which)."""
     from lychee_compile import HeadMap
     layers, kv = model.config.num_hidden_layers, model.config.num_key_value_heads
-    total = max(1, round(share * layers * kv))
     gen = torch.Generator().manual_seed(seed)
-    order = torch.randperm(layers, generator=gen)
-    per_layer = torch.full((layers,), total // layers)
-    per_layer[order[: total % layers]] += 1
+    per_layer = layer_counts(layers, max(1, round(share * layers * kv)), gen)
     retrieval = torch.zeros(layers, kv, dtype=torch.bool)
     for layer in range(layers):
         retrieval[layer, torch.randperm(kv, generator=gen)[: int(per_layer[layer])]] = True
     return HeadMap(retrieval, {"method": f"random share {share}"}).with_model_metadata(model)
+
+
+def layer_counts(layers: int, total: int, gen) -> torch.Tensor:
+    """total heads spread over the layers as evenly as possible (the remainder on random layers): int [layers]."""
+    order = torch.randperm(layers, generator=gen)
+    per_layer = torch.full((layers,), total // layers)
+    per_layer[order[: total % layers]] += 1
+    return per_layer
 
 
 def row_head_map(row: str, model, seed: int):
@@ -590,14 +613,11 @@ def key_json_pairs(items: list[str], flag: str) -> list[tuple[str, object]]:
 
 def build_variant(args, base, kind: str, budget: int) -> Variant:
     from lychee_compile import lychee_compile
-    from transformers import CompileConfig
     model = clone_model(base)
     t0 = time.perf_counter()
     if kind == "hf":
-        if args.device == "cpu":       # dry run: HF's default (Inductor, reduce-overhead) needs a GPU
-            cc = CompileConfig(backend="eager", fullgraph=True, mode=None)
-            cc._compile_all_devices = True
-            model.generation_config.compile_config = cc
+        if args.device == "cpu":
+            model.generation_config.compile_config = cpu_compile_config()
         return Variant("hf", model, setup_s=time.perf_counter() - t0)
     head_map = all_retrieval_map(model)
     lychee_compile(model, head_map, lychee_config(args, kind, budget))
@@ -606,6 +626,15 @@ def build_variant(args, base, kind: str, budget: int) -> Variant:
         name += kind[len("lychee"):]
     layers = model._lychee_state.global_layers
     return Variant(name, model, budget=budget, global_layers=layers, setup_s=time.perf_counter() - t0)
+
+
+def cpu_compile_config():
+    """HF as-is on the CPU (dry runs): HF's default (Inductor, reduce-overhead) needs a GPU, so Dynamo's graph runs
+    eagerly, and generate() compiles on the CPU too."""
+    from transformers import CompileConfig
+    cc = CompileConfig(backend="eager", fullgraph=True, mode=None)
+    cc._compile_all_devices = True
+    return cc
 
 
 def compiled_forward(variant: Variant, loop_kwargs: dict):

@@ -22,14 +22,17 @@ from transformers import AutoModelForCausalLM
 from lychee_compile import HeadMap, LycheeConfig, lychee_compile
 
 
-def load_sharded(path: str):
+def load_sharded(path: str, dtype: torch.dtype | None = None):
+    """The model at `path`, sharded over the ranks by transformers' own tensor parallelism; bf16 on GPUs, fp32 on
+    CPU ranks unless `dtype` says. Weights missing from the checkpoint are initialized shard by shard."""
     try:
         from transformers.distributed import DistributedConfig
         kwargs = dict(distributed_config=DistributedConfig(tp_plan="auto"))
     except ImportError:
         kwargs = dict(tp_plan="auto")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if torch.cuda.is_available() else
-                                                torch.float32, attn_implementation="sdpa", **kwargs).eval()
+    if dtype is None:
+        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs).eval()
 
 
 def tiny_llama(folder: str) -> str:
