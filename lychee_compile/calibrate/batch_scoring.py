@@ -10,12 +10,12 @@ position 0, so a padded row's blocks fall elsewhere in its text than unpadded (t
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import torch
 
-from ..eval.scoring import TokenScores
+from ..eval.scoring import TokenScores, step_logits
+from ..eval.scratch_cache import CacheScratch, working_copy
 
 
 @dataclasses.dataclass
@@ -58,16 +58,20 @@ def kl_per_token(dense_rows: torch.Tensor, rows: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def batch_steps(call, pre: BatchPrefill, targets: list[list[int]], with_logprobs: bool = False):
+def batch_steps(call, pre: BatchPrefill, targets: list[list[int]], with_logprobs: bool = False,
+                scratch: CacheScratch | None = None):
     """Teacher-forced per row: target[0] from the prefill, target[i+1] from a decode step fed target[i]. Rows with
     fewer targets are fed their last target again and scored no further. with_logprobs: also each row's
-    log-probabilities at its scored positions, fp32 [len(targets[b]), vocab] (for the KL metric)."""
-    cache = copy.deepcopy(pre.cache)
+    log-probabilities at its scored positions, fp32 [len(targets[b]), vocab] (for the KL metric). The cache is
+    decoded as eval/scoring.score_steps decodes it (working_copy in `scratch`, a mask over the whole cache)."""
+    cache = working_copy(pre.cache, scratch)
     dev = pre.last_logits.device
     steps = max(len(t) for t in targets)
     fed = torch.tensor([t + [t[-1]] * (steps - len(t)) for t in targets], device=dev)     # [B, steps]
     pos = pre.mask.sum(-1) - 1                                                               # [B] last position id
-    mask, logits = pre.mask, pre.last_logits
+    mask = torch.zeros(len(targets), pre.max_cache_len, dtype=pre.mask.dtype, device=dev)  # one shape every step
+    mask[:, :pre.length] = pre.mask
+    logits = pre.last_logits
     out = [TokenScores([], []) for _ in targets]
     kept = [[] for _ in targets]
     for i in range(steps):
@@ -80,11 +84,11 @@ def batch_steps(call, pre: BatchPrefill, targets: list[list[int]], with_logprobs
                     kept[b].append(lp[b].cpu())
         if i == steps - 1:
             break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
+        mask[:, pre.length + i] = 1
         step = call(input_ids=fed[:, i:i + 1], cache_position=torch.tensor([pre.length + i], device=dev),
-                    position_ids=(pos + 1 + i)[:, None], past_key_values=cache, attention_mask=mask, use_cache=True,
-                    return_dict=True)
-        logits = step.logits[:, -1]
+                    position_ids=(pos + 1 + i)[:, None], past_key_values=cache, attention_mask=mask.clone(),
+                    use_cache=True, return_dict=True)
+        logits = step_logits(step)
     if with_logprobs:
         return out, [torch.stack(k) for k in kept]
     return out
@@ -107,7 +111,8 @@ def score_batches(base, variants, items, batch_size: int = 1, pad_id: int = 0, p
             pre = batch_prefill(base, chunk, pad_id)
             ref = None
             for k, v in enumerate(variants):
-                res = batch_steps(v.sequence_call(), pre, [it.targets for it in chunk], with_logprobs=kl)
+                res = batch_steps(v.sequence_call(), pre, [it.targets for it in chunk], with_logprobs=kl,
+                                  scratch=v.scratch)
                 scores, rows = res if kl else (res, None)
                 v.check_sparse()
                 out[k] += scores

@@ -61,17 +61,27 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
               local_tokens: int = 64, backend: str = "eager", certify: bool = True, certify_backend: str | None = None,
               batch_size: int = 1, score_samples: int = 8, hardkuma_steps: int = 40, search_seed: int = SEARCH_SEED,
               certify_seed: int = CERTIFY_SEED, chat_template: bool = True, progress: bool = True,
-              log=print) -> Calibration:
+              numerics: str | None = None, log=print) -> Calibration:
     """`head_scores`: float [L, Hkv] to order the heads instead of `scorer`. `certify_backend`: default "inductor"
-    on a CUDA model (the GPU kernels), else `backend`. See the module docstring and docs/calibrate.md."""
+    on a CUDA model (the GPU kernels), else `backend`. `numerics` ("reference" | "kernels", eval/numerics.py): search
+    and certify on that numerics' copy of the model with its backend (kernels: bf16 on CUDA, Inductor, CUDA graphs,
+    every rewritten site checked to have run the Triton kernels); None: `model`, `backend` and `certify_backend` as
+    given. See the module docstring and docs/calibrate.md."""
+    from ..eval.numerics import NUMERICS
     from ..eval.scoring import dynamo_limits
     from .session import Session
     tgt = QualityTarget.parse(target)
     budgets = sorted(budgets or default_budgets(lengths, sink_tokens, local_tokens))
+    if numerics is not None:         # before any work: refused where it cannot run (the kernels without CUDA)
+        NUMERICS[numerics].require()
+        model = NUMERICS[numerics].base_model(model)
+        backend = NUMERICS[numerics].backend or backend
+        certify_backend = NUMERICS[numerics].backend or certify_backend
     kw = dict(lengths=list(lengths), text=text, scorer=scorer if head_scores is None else "given", head_counts=head_counts,
               budgets=budgets, search_prompts=search_prompts, score_tokens=score_tokens, block_size=block_size,
               sink_tokens=sink_tokens, local_tokens=local_tokens, backend=backend, score_samples=score_samples,
-              hardkuma_steps=hardkuma_steps, search_seed=search_seed, chat_template=chat_template)
+              hardkuma_steps=hardkuma_steps, search_seed=search_seed, chat_template=chat_template,
+              **({} if numerics is None else dict(numerics=numerics)))    # absent: older state.json files resume
     if certify and certify_seed == search_seed:
         raise ValueError("certify_seed must differ from search_seed: held-out prompts come from unused seeds")
     with dynamo_limits():     # Dynamo's recompile limits raised for the run's many variants (scoped)

@@ -10,8 +10,10 @@ decode step that meets the target. Certify: that point on --certify-prompts held
 with paired 95% intervals; "certified" needs every interval within the target and >= --min-prompts prompts, else
 the map is written "unconfirmed" (or "failed") with its intervals. On a CUDA --device the certification runs the
 Inductor (GPU kernel) backend, --batch-size prompts per step; load the model in --dtype bfloat16 for the Triton
-kernels. Writes OUT/calibrated.safetensors (record in its metadata), frontier.png, report.md, certify_log.jsonl and
-state.json; rerun with the same OUT and settings to resume.
+kernels. --numerics kernels does all of that for both phases (eval/numerics.py: a bf16 copy on CUDA, Inductor, CUDA
+graphs) and refuses any number whose rewritten sites did not all run the Triton kernels; --numerics reference: fp32
+with --backend. Writes OUT/calibrated.safetensors (record in its metadata), frontier.png, report.md,
+certify_log.jsonl and state.json; rerun with the same OUT and settings to resume.
 Targets: passkey=Xpt (accuracy points below dense), ppl=X% / repeat=X% (perplexity above dense, real text / the
 repeat test), kl=Xnat (mean KL(dense || lychee) per scored token).
 """
@@ -63,6 +65,10 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--batch-size", type=int, default=1, help="certification prompts per decode step (default 1)")
+    p.add_argument("--numerics", choices=("reference", "kernels"), default=None,
+                   help="score search and certification on this numerics (lychee eval --numerics): kernels = a bf16 "
+                        "copy on CUDA through Inductor, the Triton kernels checked to have run (refused without "
+                        "CUDA); reference = fp32, --backend. Default: --device / --dtype / --backend as given")
     p.add_argument("--search-seed", type=int, default=SEARCH_SEED)
     p.add_argument("--certify-seed", type=int, default=CERTIFY_SEED, help="must differ from --search-seed; "
                    "a failed attempt is logged: certify again with a new seed, never the same prompts")
@@ -91,12 +97,15 @@ def load_model(name: str, sha256: str | None, progress: bool):
 
 def run(args) -> int:
     import torch
-    from ..errors import RealModelUnavailable
+    from ..errors import NumericsUnavailable, RealModelUnavailable
     from .calibration import calibrate
     from .target import QualityTarget
+    from ..eval.numerics import NUMERICS
     try:
         QualityTarget.parse(args.target)        # a typo fails before the model loads
-    except ValueError as exc:
+        if args.numerics is not None:           # so does the kernels numerics on a machine without CUDA
+            NUMERICS[args.numerics].require()
+    except (ValueError, NumericsUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
@@ -114,6 +123,7 @@ def run(args) -> int:
                        certify=not args.no_certify, certify_backend=args.certify_backend, batch_size=args.batch_size,
                        score_samples=args.score_samples, hardkuma_steps=args.hardkuma_steps,
                        search_seed=args.search_seed, certify_seed=args.certify_seed,
-                       chat_template=chat and not args.no_chat_template, progress=not args.no_progress)
+                       chat_template=chat and not args.no_chat_template, progress=not args.no_progress,
+                       numerics=args.numerics)
     print(f"{result.status}; wrote " + ", ".join(result.paths.values()))
     return 0 if result.head_map is not None else 1

@@ -69,7 +69,8 @@ class PromptBank:
         scores, kls = [], []
         for i, it in enumerate(self.items):
             if kl:
-                (s,), (rows,) = batch_steps(variant.sequence_call(), as_batch(self.prefill(i)), [it.targets], True)
+                (s,), (rows,) = batch_steps(variant.sequence_call(), as_batch(self.prefill(i)), [it.targets], True,
+                                            variant.scratch)
                 variant.check_sparse()
                 kls.append(kl_per_token(self.dense_rows(i), rows))
             else:

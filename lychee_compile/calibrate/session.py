@@ -25,6 +25,8 @@ class Session:
         self._global_layers = store.get("global_layers")
         self.points_evaluated = 0
         self._bar = None
+        from ..eval.numerics import NUMERICS
+        self.numerics = NUMERICS[kw["numerics"]] if "numerics" in kw else None    # None: the model as given
 
     # --- inputs --------------------------------------------------------------------------------------------------
     def search_items(self, task: str) -> list:
@@ -65,7 +67,7 @@ class Session:
             k = self.kw
             spec = method_spec("lychee", self.model, budget, hm, block_size=k["block_size"],
                                sink_tokens=k["sink_tokens"], local_tokens=k["local_tokens"], backend=backend)
-            v = Variant.build(self.model, spec)
+            v = Variant.build(self.model, spec, self.numerics)
             if head_map is not None:
                 return v
             self._variants[key] = v
@@ -110,7 +112,7 @@ class Session:
         if self.store.get(key) is None:
             from ..eval.methods import method_spec
             from ..eval.scoring import Variant
-            dense = Variant.build(self.model, method_spec("dense", self.model, 1))
+            dense = Variant.build(self.model, method_spec("dense", self.model, 1), self.numerics)
             self.bar().set_postfix_str(f"dense {task}")
             self.store.put(key, self.bank(task).score(dense, "dense", self.bar().update))
         return self.store.get(key)
@@ -163,7 +165,7 @@ class Session:
                     set_head_map(lychee.model, hm)
                 else:
                     lychee = self.variant(best["budget"], backend, head_map=hm)
-                built.append((Variant.build(self.model, method_spec("dense", self.model, 1)), lychee))
+                built.append((Variant.build(self.model, method_spec("dense", self.model, 1), self.numerics), lychee))
             return built[0]
         key = "certify/" + json.dumps(dict(heads=best["heads"], budget=best["budget"], seed=certify_seed,
                                            n={t: len(i) for t, i in held_out.items()}, backend=backend,

@@ -5,9 +5,15 @@ decode path.
     lychee eval --task repeat --method dense,lychee --budget 512 --length 2048 --prompts 4 --score-tokens 32
     lychee eval --model gemma3-270m --task passkey --method dense,lychee --budget 256 --trials 2
     lychee eval --task passkey --method dense,lychee,lychee-topp,lychee-ratio --policy-param topp=0.9,ratio=0.25
+    lychee eval --task passkey --method dense,lychee --budget 512 --numerics both        # on a CUDA machine
 
 Each prompt is prefilled once, densely; every method scores a copy of that cache with teacher-forced decode steps
-through the callable generate() compiles (see lychee_compile/eval/scoring.py). Writes TASK.json (every record,
+through the callable generate() compiles (see lychee_compile/eval/scoring.py). --numerics (eval/numerics.py):
+reference (default) = fp32 on the CPU, --backend (default eager: the op's eager reference, the definition of
+correctness); kernels = a bf16 cast of the same weights on the GPU, Inductor, CUDA graphs: the Triton kernels users
+run (refused without CUDA, checked to have run on every rewritten site); both = every variant under each, paired
+(each its own dense prefill; the fp32 model then runs on the GPU too), labels `lychee@512[kernels]`, and a table of
+kernels minus reference per variant. Sparsity is measured on the reference rows only. Writes TASK.json (every record,
 settings, compile counters, what each variant attended) and TASK.md (table with 95% intervals, and a sparsity table:
 attended % of the context per non-retrieval head, blocks kept per retrieval selection) to --out, and passkey heatmaps
 per method. Methods: dense, lychee (top-k), lychee-topp, lychee-threshold, lychee-ratio (selection policies,
@@ -21,6 +27,7 @@ import time
 
 def add_parser(sub) -> None:
     from .methods import METHODS, POLICY_DEFAULTS, UNAVAILABLE
+    from .numerics import CHOICES
     from .tasks import DEPTHS, NOT_DONE_TASKS, TASKS
     import argparse
     p = sub.add_parser("eval", formatter_class=argparse.RawDescriptionHelpFormatter, help="quality of methods x budgets on the real model (passkey, repeat, ppl, RULER-style)",
@@ -59,7 +66,12 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--random-seed", type=int, default=0, help="seed of the random head map")
     p.add_argument("--backend", choices=("eager", "inductor"), default="eager",
-                   help="LycheeConfig.backend (default eager: same numbers, much faster to build on CPU)")
+                   help="LycheeConfig.backend of the reference numerics (default eager: same numbers, much faster "
+                        "to build on CPU); the kernels numerics always runs Inductor")
+    p.add_argument("--numerics", choices=CHOICES, default="reference",
+                   help="reference (default: fp32, CPU, the op's eager reference), kernels (bf16 on CUDA through "
+                        "Inductor: the Triton kernels, CUDA graphs) or both (paired rows and their difference; the "
+                        "fp32 model runs on the GPU too)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="eval_out", help="output folder (default eval_out)")
     p.add_argument("--no-progress", action="store_true")
@@ -77,15 +89,18 @@ def run(args) -> int:
     import torch
 
     from ..head_map import HeadMap
-    from ..errors import MethodError, RealModelUnavailable
+    from ..errors import MethodError, NumericsUnavailable, RealModelUnavailable
     from .models import load_eval_model
     from .methods import default_head_map, method_spec, parse_policy_params
+    from .numerics import parse_numerics, require_all
     from .runner import markdown_table, run_eval, summarize, write_outputs
     from .tasks import passkey_items, repeat_items, text_items
 
     try:     # before loading the model: a typo in the option fails in a second, not after the load
         policy_params = parse_policy_params(args.policy_param)
-    except MethodError as exc:
+        numerics = parse_numerics(args.numerics)
+        require_all(numerics)
+    except (MethodError, NumericsUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
@@ -101,6 +116,8 @@ def run(args) -> int:
     except RealModelUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if len(numerics) > 1:      # both: the reference rows run on the GPU too (the kernels copy it there themselves)
+        model.to("cuda")
     if args.head_map:
         hm, where = HeadMap.load(args.head_map), f"loaded from {args.head_map}"
     else:
@@ -130,8 +147,8 @@ def run(args) -> int:
     else:
         from .ruler import RULER_TASKS
         items = RULER_TASKS[args.task](tok, args.length, args.prompts, seed=args.seed)
-    print(f"lychee eval: model {entry.title}, task {args.task}, {len(items)} prompts x {len(specs)} variants; head map: {where}",
-          flush=True)
+    print(f"lychee eval: model {entry.title}, task {args.task}, {len(items)} prompts x {len(specs)} variants x "
+          f"numerics {', '.join(n.name for n in numerics)} (on {model.device}); head map: {where}", flush=True)
     for s in specs:
         print(f"  {s.label}: {s.description}")
     t0 = time.perf_counter()
@@ -143,7 +160,8 @@ def run(args) -> int:
         partial["settings"] = settings
         write_outputs(partial, summarize(partial), args.out, heatmaps=False)
 
-    results = run_eval(model, tok, items, specs, progress=not args.no_progress, task=args.task, on_item=checkpoint)
+    results = run_eval(model, tok, items, specs, progress=not args.no_progress, task=args.task, on_item=checkpoint,
+                       numerics=numerics)
     results["settings"] = settings
     summary = summarize(results)
     paths = write_outputs(results, summary, args.out)

@@ -159,8 +159,9 @@ def method_spec(name: str, model, budget: int, head_map: HeadMap | None = None, 
         return MethodSpec("dense", None, None, "dense attention, uncompiled model", None)
     if head_map is None and name in ("lychee", "duo", "random", *POLICY_METHODS):
         head_map, _ = default_head_map(model)
-    # No CUDA graphs: the harness scores every prompt on a fresh copy of its prefilled cache (scoring.score_steps),
-    # and a graph recorded for one cache's addresses would be recorded again for each copy.
+    # No CUDA graphs here: the reference numerics (eager backend, or fp32 Inductor calling the op's reference as an
+    # extern kernel) has nothing to capture. The kernels numerics turns the default (on) back (eval/numerics.py); the
+    # cache copies the harness decodes keep their addresses for it (eval/scratch_cache.py).
     base = dict(budget=budget, block_size=block_size, sink_tokens=sink_tokens, backend=backend, cuda_graphs=False)
     n_layers, n_kv = model_geometry(model.config)
     if name == "lychee":

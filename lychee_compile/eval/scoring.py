@@ -8,7 +8,11 @@ The prefill is dense, eager and identical for every method (HF generate does the
 compiled). Each target token after the first is fed back as the input of a decode step through
 `model.get_compiled_call(model.generation_config.compile_config)`, the callable generate() uses, so the sparse
 attention decides every scored prediction but the first (which comes from the dense prefill's last position).
-After scoring, `check_sparse()` refuses any number that did not come from rewritten graphs.
+A decode step's inputs keep their shapes from step to step and prompt to prompt (a padding mask over the whole
+cache, 1 up to the new token; the cache copied into kept tensors, scratch_cache.py), as generate()'s do: one decode
+graph per cache size, and a CUDA-graph capture of it is replayed rather than captured again.
+After scoring, `check_sparse()` refuses any number that did not come from rewritten graphs (and, for the kernels
+numerics, from the Triton kernels: numerics.py).
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import torch
 from ..ops.sparsity import collect_sparsity
 from ..state_buffers import HEAT_ATTR
 from .methods import MethodSpec
+from .numerics import Numerics
+from .scratch_cache import CacheScratch, scratch_for, working_copy
 from ..errors import DenseFallback, SparsityNotMeasured
 
 
@@ -71,14 +77,18 @@ class TokenScores:
 
 
 @torch.no_grad()
-def score_steps(call, prefill: Prefill, targets: list[int], copy_cache: bool = True) -> TokenScores:
-    """Teacher-forced: target[0] from the prefill's logits, target[i+1] from one decode step fed target[i]."""
-    cache = copy.deepcopy(prefill.cache) if copy_cache else prefill.cache
+def score_steps(call, prefill: Prefill, targets: list[int], copy_cache: bool = True,
+                scratch: CacheScratch | None = None) -> TokenScores:
+    """Teacher-forced: target[0] from the prefill's logits, target[i+1] from one decode step fed target[i].
+    copy_cache: decode a copy of the prefill's cache (working_copy: in `scratch`'s tensors when given)."""
+    cache = working_copy(prefill.cache, scratch) if copy_cache else prefill.cache
     max_len = prefill.max_cache_len
     if prefill.length + len(targets) - 1 > max_len:
         raise ValueError(f"{len(targets)} targets after {prefill.length} prompt tokens exceed the cache ({max_len})")
     logits = prefill.last_logits
     device = logits.device
+    mask = torch.zeros(1, max_len, dtype=torch.long, device=device)       # the whole cache: one shape every step
+    mask[:, :prefill.length] = 1
     logprobs, hits = [], []
     for i, tok in enumerate(targets):
         lp = torch.log_softmax(logits.float(), -1)
@@ -87,12 +97,18 @@ def score_steps(call, prefill: Prefill, targets: list[int], copy_cache: bool = T
         if i == len(targets) - 1:
             break
         pos = prefill.length + i
+        mask[:, pos] = 1
         out = call(input_ids=torch.tensor([[tok]], device=device), cache_position=torch.tensor([pos], device=device),
                    position_ids=torch.tensor([[pos]], device=device), past_key_values=cache,
-                   attention_mask=torch.ones(1, pos + 1, dtype=torch.long, device=device), use_cache=True,
-                   return_dict=True)
-        logits = out.logits[0, -1]
+                   attention_mask=mask.clone(), use_cache=True, return_dict=True)
+        logits = step_logits(out)[0]
     return TokenScores(logprobs, hits)
+
+
+def step_logits(out) -> torch.Tensor:
+    """The last position's logits [B, vocab] as a tensor of our own: a CUDA-graph replay's outputs are overwritten by
+    the next replay."""
+    return out.logits[:, -1].to(torch.float32, copy=True)
 
 
 def shared_weight_copy(model):
@@ -109,28 +125,36 @@ class Variant:
     spec: MethodSpec
     model: object
     call: object
+    numerics: Numerics | None = None    # None: the base model and spec as given (nothing beyond check_sparse's check)
+    tag: str = ""                       # appended to the label: "[kernels]" when several numerics run side by side
+    scratch: CacheScratch | None = None  # the kept cache tensors this variant decodes in (shared per base model)
 
     @classmethod
-    def build(cls, base, spec: MethodSpec) -> "Variant":
+    def build(cls, base, spec: MethodSpec, numerics: Numerics | None = None, tag: str = "") -> "Variant":
+        """`base`: the uncompiled model (for a numerics: numerics.base_model(model)); `numerics` sets the spec's
+        backend and CUDA graphs (Numerics.spec) and what check_sparse checks."""
+        spec = spec if numerics is None else numerics.spec(spec)
+        scratch = scratch_for(base)
         if spec.config is None:
-            return cls(spec, base, base)
+            return cls(spec, base, base, numerics, tag, scratch)
         from ..api import lychee_compile
         model = lychee_compile(shared_weight_copy(base), spec.head_map, spec.config)
-        return cls(spec, model, model.get_compiled_call(model.generation_config.compile_config))
+        return cls(spec, model, model.get_compiled_call(model.generation_config.compile_config), numerics, tag,
+                   scratch)
 
     @property
     def label(self) -> str:
-        return self.spec.label
+        return self.spec.label + self.tag
 
     def score(self, prefill: Prefill, targets: list[int]) -> TokenScores:
         if self.spec.config is None:
-            return score_steps(self.call, prefill, targets)
+            return score_steps(self.call, prefill, targets, scratch=self.scratch)
         # What the sparse heads attend, measured by the eager reference op (ops/sparsity.py explains the choice).
         with collect_sparsity() as collector:
-            scores = score_steps(self.sequence_call(), prefill, targets)
+            scores = score_steps(self.sequence_call(), prefill, targets, scratch=self.scratch)
         if len(targets) > 1:
             self.check_sparse()
-            if collector.calls:   # 0: a lowering that does not run the reference (Triton, bf16 CUDA): not measured
+            if collector.calls:   # 0: a lowering that does not run the reference (the kernels numerics): not measured
                 self._check_measured(collector.calls, len(targets) - 1)
                 scores.sparsity = collector.summary()
         return scores
@@ -165,7 +189,8 @@ class Variant:
         return state_of(self.model).counters
 
     def check_sparse(self) -> None:
-        """Raise DenseFallback unless every compiled graph of this variant was rewritten (sparse path ran)."""
+        """Raise DenseFallback unless every compiled graph of this variant was rewritten (sparse path ran), and, for
+        the kernels numerics, KernelsNotRun unless every rewritten site ran the Triton kernels."""
         c = self.counters()
         if c is None:
             return
@@ -173,6 +198,8 @@ class Variant:
             raise DenseFallback(f"{self.label}: the sparse path did not run (decode graphs {c.decode_graphs}, "
                                 f"sites rewritten {c.sites_rewritten}, graphs left dense {c.graphs_left_dense}, "
                                 f"reasons {c.reasons}); refusing to report its numbers")
+        if self.numerics is not None:
+            self.numerics.check_ran(c, self.label)
 
 
 @torch.no_grad()
