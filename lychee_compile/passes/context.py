@@ -77,6 +77,13 @@ class Counters:
     sites_on_reference: int = 0
     decode_calls: int = 0            # runtime: calls of a rewritten decode graph (generate() checks it moved)
     generate_calls_dense: int = 0    # runtime: generate() calls whose decode steps never reached the rewrite
+    # rectification (rectify.py): graphs compiled for its re-encode (each a prefill graph, also in prefill_graphs);
+    # re-encodes run through that compiled call, or through the uncompiled model (compile_reencode=False, or
+    # rectify_every=1 outside strict mode: the reason in reencode_eager_reason)
+    reencode_graphs: int = 0
+    reencodes_compiled: int = 0
+    reencodes_eager: int = 0
+    reencode_eager_reason: str | None = None
     reasons: list[str] = dataclasses.field(default_factory=list)
     reference_reasons: list[str] = dataclasses.field(default_factory=list)
 
