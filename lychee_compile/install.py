@@ -7,8 +7,8 @@
   3. with LycheeConfig.fuse_linears: the probe's sibling linears' weights become views of one buffer each
      (linear_groups.fuse_weights; same values, no extra memory).
   4. with rectify_every: get_compiled_call wrapped (rectify.py: a dense re-encode every N steps, after the step),
-     by default through the model's own compiled call for it (a second code object of its own, compiled without
-     CUDA graphs: a dense prefill graph).
+     by default through a compiled call of the model's own for it (a second code object, its own backend without
+     CUDA graphs: a prefill graph whose attention the pass rewrite makes lychee::dense_decode).
   5. state buffers registered (`_lychee_kinds`; `_lychee_heat` with heat; `_lychee_quest` at the first prefill with
      Quest), forward wrapped to announce them to the graph and rebuild them at a prefill; with Quest,
      get_compiled_call wrapped to rebuild descriptors for a cache this model did not prefill (state_buffers.py).
@@ -36,26 +36,25 @@ from .cache_kwarg import tokens_of
 from .generation_modes import generation_mode, merged_config, unsupported_mode
 from .linear_groups import fuse_weights
 from .masks import check_padding_mask
-from .rectify import compiled_reencode, install_rectification
+from .rectify import install_rectification
 from .state_buffers import install_state
 
 STATE_ATTR = "_lychee_state"
 log = logging.getLogger("lychee_compile")
 
 
-def install(model, config, backend, graphless_backend, linear_groups, kinds, global_layers, counters,
-            reencode_compiled: bool) -> None:
+def install(model, config, backend, dynamic_backend, reencode_backend, linear_groups, kinds, global_layers,
+            counters) -> None:
     """Steps 1-8 of the module docstring (api.lychee_compile sets 9). kinds: bool [Lg, Hkv], the head kinds of the
-    global layers `global_layers`; graphless_backend: the backend without CUDA graphs (DynamicCache decode steps,
-    rectification's re-encode); reencode_compiled: rectify.reencode_mode's answer."""
+    global layers `global_layers`; dynamic_backend: the backend for DynamicCache decode steps; reencode_backend: the
+    backend of rectification's re-encode, None where it runs the uncompiled model (rectify.reencode_mode)."""
     _compile_decode_steps(model, backend)                                            # 1, 2
     if config.fuse_linears:
         fuse_weights(model, linear_groups)                                           # 3
     if config.rectify_every:                                                         # 4
-        reencode = compiled_reencode(model, graphless_backend, counters) if reencode_compiled else model
-        install_rectification(model, config.rectify_every, reencode, reencode_compiled, counters)
+        install_rectification(model, config.rectify_every, reencode_backend, counters)
     before_decode = install_state(model, config, kinds, global_layers)              # 5
-    install_dynamic_cache(model, graphless_backend, config, before_decode)          # 6
+    install_dynamic_cache(model, dynamic_backend, config, before_decode)            # 6
     install_beam_reorder(model)                                                      # 7
     _guard_generate(model, counters, config)                                         # 8
 

@@ -9,16 +9,19 @@ decode call from `model.get_compiled_call(...)`; we wrap what that returns. The 
 token and position and, after every R-th step, rewinds each cache layer's write offset by R and runs the model over
 those R tokens. Each generate() call gets a fresh wrapper, so nothing leaks between calls.
 
-What runs the re-encode (LycheeConfig.compile_reencode, default on): the model's own compiled call for it
-(fresh_call: a code object of its own, as the decode step has), compiled with the lychee backend without CUDA graphs
-and fullgraph, dynamic=False. A forward of R >= 2 tokens is a prefill to the passes (classify.py): the graph is
-counted in Counters.prefill_graphs (and reencode_graphs) and its attention stays HF's dense attention; Inductor
-compiles it like any graph of the config. Its shapes are fixed -- tokens and positions [B, R], the padding mask
-[B, T] over the whole static cache (T its capacity), the write offset a tensor of the cache -- so it compiles once
-per batch size and never again across steps; it is a graph of its own, so the decode step's graph (and its CUDA
-graphs) never recompiles for it. Off, or with rectify_every=1 (a one-token forward would compile as a decode step and
-be rewritten sparse), the uncompiled model runs it: HF's eager forward; strict mode refuses rectify_every=1 with
-compile_reencode at lychee_compile time, non-strict logs it and counts every such re-encode (Counters).
+What runs the re-encode (LycheeConfig.compile_reencode, default on): a compiled call of the model's own for it
+(fresh_call: a code object of its own, as the decode step has; fullgraph, dynamic=False), through a lychee backend
+made for it (no CUDA graphs; Inductor where the config says so). A forward of R >= 2 tokens is a prefill to the
+passes (classify.py): counted in Counters.prefill_graphs (and reencode_graphs), never rewritten to sparse ops; the
+pass rewrite makes each of its attention sites lychee::dense_decode with R queries -- the same dense attention as
+the model's, over the valid keys only (FlashAttention-2 varlen on CUDA), where HF's masked SDPA copies the cache G
+times (repeat_kv) and attends its whole capacity. Its shapes are fixed -- tokens and positions [B, R], the padding
+mask [B, T] over the whole static cache (T its capacity), the write offset a tensor of the cache -- so it compiles
+once per batch size and never again across steps; it is a graph of its own, so the decode step's graph (and its
+CUDA graphs) never recompiles for it. Off, or with rectify_every=1 (a one-token forward would compile as a decode
+step and be rewritten sparse), the uncompiled model runs it: HF's eager forward; strict mode refuses
+rectify_every=1 with compile_reencode at lychee_compile time, non-strict logs it; every re-encode is counted
+(Counters.reencodes_compiled / reencodes_eager).
 
 State kept through a re-encode (state_buffers.py, which reads REENCODING_ATTR): the heat is not zeroed (same
 sequence); the Quest descriptors of the blocks holding the R rewritten keys are recomputed from the cache, in the
@@ -34,7 +37,7 @@ import logging
 import torch
 
 from .cache_kwarg import cache_kwarg, cache_of
-from .errors import LycheeCompileError, LycheeConfigError
+from .errors import LycheeConfigError
 
 REENCODING_ATTR = "_lychee_reencoding"     # True while a re-encode's forward runs
 log = logging.getLogger("lychee_compile")
@@ -141,27 +144,17 @@ def reencode_mode(config, counters) -> bool:
     return False
 
 
-def compiled_reencode(model, backend, counters):
-    """The model's own compiled call for the re-encode (a fresh code object: its Dynamo cache entries are its own,
-    never the decode step's). backend: the lychee backend without CUDA graphs. Every graph it compiles must be a
-    prefill graph (dense): a decode graph here would be rewritten sparse, which is refused."""
+def compiled_reencode(model, backend):
+    """The model's own compiled call for the re-encode: a fresh code object, so its Dynamo cache entries are its own,
+    never the decode step's. backend: the lychee backend made for it (backend.make_backend(reencode=True), no CUDA
+    graphs); fixed shapes (dynamic=False): one graph per batch size."""
     from .dynamic_cache import fresh_call
-
-    def reencode_backend(gm, example_inputs, **kwargs):
-        counters.reencode_graphs += 1
-        decode_graphs = counters.decode_graphs
-        compiled = backend(gm, example_inputs, **kwargs)
-        if counters.decode_graphs != decode_graphs:
-            raise LycheeCompileError("the rectification re-encode compiled as a decode graph (query length 1), which "
-                                     "is rewritten to sparse attention; it must stay dense.")
-        return compiled
-
-    return torch.compile(fresh_call(model, "lychee_reencode"), backend=reencode_backend, fullgraph=True,
-                         dynamic=False)
+    return torch.compile(fresh_call(model, "lychee_reencode"), backend=backend, fullgraph=True, dynamic=False)
 
 
-def install_rectification(model, every: int, reencode, compiled: bool, counters) -> None:
-    """reencode: compiled_reencode's call (compiled=True) or the model itself."""
+def install_rectification(model, every: int, backend, counters) -> None:
+    """backend: the re-encode's backend (compiled_reencode), or None: the re-encode runs the model itself."""
+    reencode, compiled = (model, False) if backend is None else (compiled_reencode(model, backend), True)
     inner = model.get_compiled_call
     # the flag exists from the start: a traced multi-token forward reads it (state_buffers.py), and an attribute
     # appearing later would fail that graph's guard

@@ -10,10 +10,10 @@ buffer is created by the first eager forward that carries a cache (generate()'s 
 every eager forward with a cache (a prefill) the wrapped forward rebuilds every block's descriptor from that cache's
 global layers under the forward's padding mask; the compiled decode steps then keep them current themselves
 (quest_decode_step). A rectification's re-encode of the R newest tokens (rectify.py; compiled or eager) recomputes
-the blocks holding those R keys only, at the end of its own forward (inside its graph when it is compiled). A prefill chunk run through the compiled call
-(chunked prefill) is followed by the same rebuild, and finds the heat buffer sized for its batch beforehand (a new
-buffer cannot be made inside the graph). A compiled decode step called on a
-cache object other than the one they were built from (a cache this model did not prefill: the eval harness
+the blocks holding those R keys only, at the end of its own forward (inside its graph when it is compiled). A
+prefill chunk run through the compiled call (chunked prefill) is followed by the same rebuild, and finds the heat
+buffer sized for its batch beforehand (a new buffer cannot be made inside the graph). A compiled decode step called
+on a cache object other than the one they were built from (a cache this model did not prefill: the eval harness
 prefills on the base model and scores copies) rebuilds them from that cache first, outside the graph
 (QuestDescriptors.before_decode, run by the wrapped compiled call). Changes to a cache made without this model's
 forward (cropping it in place, say) are not seen. A new batch size, a larger cache, or a cache of another dtype /

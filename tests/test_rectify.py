@@ -101,6 +101,8 @@ def test_compiled_reencode_equals_eager_reencode_and_dense_with_all_retrieval_he
     c = state.counters
     assert (c.reencodes_compiled, c.reencodes_eager, c.reencode_graphs, c.reencode_eager_reason) == (3, 0, 1, None)
     assert (c.decode_graphs, c.prefill_graphs) == (1, 1), "the re-encode graph is a prefill graph (dense)"
+    assert (c.reencode_sites_dense, c.reencode_sites_unchanged) == (model.config.num_hidden_layers, 0)
+    assert c.sites_rewritten == model.config.num_hidden_layers, "only the decode graph's sites go sparse"
     assert counters["stats"]["unique_graphs"] == graphs + 2, "one decode graph and one re-encode graph, no recompile"
     generate_logits(model, ids, mask, steps)
     assert counters["stats"]["unique_graphs"] == graphs + 2 and c.reencodes_compiled == 6
