@@ -26,10 +26,11 @@ State layout (one buffer per compiled model, the non-persistent buffer `_lychee_
             they are exact in the keys' own dtype: fp32 would double the size for nothing.
         Size: 2 * D values per (block, layer, KV head) against 2 * block_size * D for K and V: 1 / block_size of
         the KV cache at the same capacity (6.25% at block_size 16).
-Maintenance (state_buffers.py, rectify.py): every eager forward that carries a cache (the prefill, and each
-rectification's dense re-encode) recomputes every block from the cache after it returns (+inf / -inf where a block
-has no valid key); a compiled decode step appends one key per row and recomputes that key's block only, in place in
-the buffer (fold_newest_key_: one block per row, layer and KV head written, nothing copied).
+Maintenance (state_buffers.py, rectify.py): every eager forward that carries a cache (the prefill) recomputes every
+block from the cache after it returns (+inf / -inf where a block has no valid key); a compiled decode step appends
+one key per row and recomputes that key's block only, in place in the buffer (fold_newest_key_: one block per row,
+layer and KV head written, nothing copied); a rectification's re-encode of each row's R newest keys recomputes the
+blocks holding them (fold_recent_keys_, at most ceil((R - 1) / block_size) + 1 per row, layer and KV head).
 Invariant: every block holding a valid key describes exactly its valid keys. Blocks without a valid key are
 unspecified (normally +inf / -inf from the last rebuild, but a decode step on a cache whose mask lost positions --
 a cache reused from a longer sequence, say -- leaves the old values there); nothing reads them, because every
