@@ -18,9 +18,16 @@ Rows (--rows, comma list; each row is timed at every context):
   h12_<b>_r<R>, h25_<b>_r<R>
               the hybrid row with LycheeConfig(rectify_every=R) (its own compile): rectify.py wraps what
               get_compiled_call returns, so the call this loop times re-encodes the last R tokens densely after every
-              R-th step. Each context gets a fresh get_compiled_call (a fresh rectifier, as each generate() does).
-              TPOT of these rows is the MEAN of the per-step times (rectification amortized), not the median;
-              `median_ms` and `rectifications_timed` are recorded next to it
+              R-th step -- through the re-encode's compiled call (compile_reencode, the default; --lychee
+              compile_reencode=false times the uncompiled model's). The first call of the variant runs R steps, so
+              the re-encode compiles there, not in a timed step. Each context gets a fresh get_compiled_call (a fresh
+              rectifier, as each generate() does). TPOT of these rows is the MEAN of the per-step times
+              (rectification amortized), not the median; `median_ms` and `rectifications_timed` are recorded next
+              to it, and `reencode_ms` (mean time of a step that re-encoded minus the median of those that did not).
+              Against the same row without rectification (h12_<b>, timed in the same run at the same batch and
+              context): `rectify_overhead` = mean TPOT / its mean TPOT - 1, and `reencode_overhead` = reencode_ms /
+              (R x its mean TPOT), the same share from the re-encoding steps alone. With --warmup R and --steps a
+              multiple of R every timed window holds exactly steps / R re-encodes
   h12_<b>_heat<N>, h12_<b>_qs<N>, h12_<b>_qall (and h25_)
               the hybrid row with issue 7's cross-step state (its own compile): heat<N> = LycheeConfig(heat_blocks=N,
               heat_decay=0.9); qs<N> = quest="sparse", quest_blocks=N (sparse heads add their own top N blocks by the
@@ -417,17 +424,29 @@ def time_decode(loop: DecodeLoop, position: int, warmup: int, steps: int, device
         sync(device)
         rect_before = rect[0]
         clock = StepClock(device)
+        fired = []                     # per timed step: did it re-encode (rectification)
         t0 = time.perf_counter()
         for _ in range(steps):
             inputs = loop.inputs()
+            n = rect[0]
             logits = loop.finish(clock.around(lambda: loop.forward(**inputs, return_dict=True)))
+            fired.append(rect[0] != n)
         sync(device)
         wall = time.perf_counter() - t0
     ts = clock.times_ms()
     return dict(tpot_ms=statistics.median(ts), p10_ms=quantile(ts, 0.1), p90_ms=quantile(ts, 0.9),
                 min_ms=min(ts), mean_ms=statistics.fmean(ts), loop_ms=wall * 1e3 / steps,
                 logits_finite=bool(torch.isfinite(logits).all()), rectifications_timed=rect[0] - rect_before,
-                rectifications_total=rect[0])
+                rectifications_total=rect[0], **reencode_time(ts, fired))
+
+
+def reencode_time(ts: list[float], fired: list[bool]) -> dict:
+    """{'reencode_ms': mean time of the steps that re-encoded minus the median of the others} where both exist."""
+    with_reencode = [t for t, f in zip(ts, fired) if f]
+    plain = [t for t, f in zip(ts, fired) if not f]
+    if not with_reencode or not plain:
+        return {}
+    return dict(reencode_ms=statistics.fmean(with_reencode) - statistics.median(plain))
 
 
 class count_rectifications:
@@ -567,6 +586,7 @@ class Variant:
     budget: int = 0
     global_layers: list = None
     setup_s: float = 0.0
+    rectify_every: int = 0      # LycheeConfig.rectify_every of a _r<R> variant
 
 
 def lychee_config(args, kind: str, budget: int):
@@ -625,7 +645,8 @@ def build_variant(args, base, kind: str, budget: int) -> Variant:
     if kind.startswith("lychee_"):
         name += kind[len("lychee"):]
     layers = model._lychee_state.global_layers
-    return Variant(name, model, budget=budget, global_layers=layers, setup_s=time.perf_counter() - t0)
+    return Variant(name, model, budget=budget, global_layers=layers, setup_s=time.perf_counter() - t0,
+                   rectify_every=model._lychee_state.config.rectify_every)
 
 
 def cpu_compile_config():
@@ -692,7 +713,8 @@ def skip_reason(args, kind: str, features: dict) -> str | None:
 
 def first_call(variant: Variant, cache, args, batch: int) -> dict:
     """The compile: the first call of the compiled decode step (at the largest context), then a second call
-    (CUDA-graph recording); Dynamo's counters before/after."""
+    (CUDA-graph recording); with rectification, more steps up to the first re-encode, which compiles its own graph
+    (reencode_compile_s: those steps' time); Dynamo's counters before/after."""
     forward = compiled_forward(variant, {"past_key_values": cache})
     loop = DecodeLoop(variant.model, forward, cache, batch, variant.model.config.vocab_size, args.device)
     loop.start(args.context_list[0])
@@ -707,9 +729,19 @@ def first_call(variant: Variant, cache, args, batch: int) -> dict:
         loop.step()
         sync(args.device)
         t2 = time.perf_counter()
+        with count_rectifications() as rect:
+            for _ in range(max(variant.rectify_every - 2, 0)):
+                loop.step()
+            sync(args.device)
+        t3 = time.perf_counter()
     variant.forward = forward
-    return dict(compile_s=t1 - t0, second_call_s=t2 - t1, compile_counts=delta(dynamo_counts(), before),
+    info = dict(compile_s=t1 - t0, second_call_s=t2 - t1, compile_counts=delta(dynamo_counts(), before),
                 compile_peak_gb=memory_now(args.device)["peak_gb"], compile_phases=phases.result)
+    if variant.rectify_every:
+        info.update(reencode_compile_s=t3 - t2, reencodes_in_compile=rect[0])
+        if rect[0] == 0 and variant.rectify_every > 2:
+            raise BenchError(f"{variant.name}: {variant.rectify_every} decode steps ran no rectification re-encode")
+    return info
 
 
 class CompilePhases:
@@ -809,11 +841,26 @@ def time_rows(args, variant, rows, cache, batch, ctx_info, budget_clock, results
             loop = DecodeLoop(current.model, current.forward, cache, batch, current.model.config.vocab_size,
                               args.device)
             rec = time_row(args, loop, current, row, ctx, batch, effective, ctx_info)
+            rec.update(rectify_overhead(rec, results["rows"]))
             steps_run += args.warmup + args.steps
             results["rows"].append(rec)
             print_row(rec)
             write_json(args, results)
     return steps_run
+
+
+def rectify_overhead(rec: dict, rows: list[dict]) -> dict:
+    """A rectification row against the same row without it (same model, batch and context, timed earlier in this
+    run): rectify_overhead = its mean TPOT / that row's mean TPOT - 1, reencode_overhead = reencode_ms / (R x that
+    row's mean TPOT). {} for other rows or where that row was not timed."""
+    rect = rectify_of(rec["row"])
+    base = rect and find(rows, model=rec["model"], batch=rec["batch"], context=rec["context"], row=rect[0])
+    if not base:
+        return {}
+    out = dict(base_row=rect[0], base_mean_ms=base["mean_ms"], rectify_overhead=rec["mean_ms"] / base["mean_ms"] - 1)
+    if "reencode_ms" in rec:
+        out["reencode_overhead"] = rec["reencode_ms"] / (rect[1] * base["mean_ms"])
+    return out
 
 
 def quiet_effective(head_map, global_layers):
@@ -922,7 +969,9 @@ def _lychee_counters(model):
 
 
 def max_cache_len(args) -> int:
-    need = max(args.context_list) + args.warmup + args.steps + 2 + 2     # + the compile's two calls
+    every = max((rectify_of(r)[1] for r in args.row_list if rectify_of(r)), default=0)
+    # + the compile's two calls (R with rectification: the first re-encode compiles there, at the largest context)
+    need = max(args.context_list) + max(args.warmup + args.steps + 2, every) + 2
     return -(-need // 256) * 256
 
 
@@ -1170,6 +1219,9 @@ def targets(results) -> list[dict]:
         lambda v: v >= 1.5)
     add(f"hybrid 12.5%/4096 >= 9x over HF as-is at {big} b1", h and hf and hf["tpot_ms"] / h["tpot_ms"],
         lambda v: v >= 9)
+    rect = find(rows, row=f"{hyb}_r32", batch=1, context=big)
+    add(f"rectification every 32 steps <= 10% TPOT over hybrid 12.5%/4096 at {big} b1 (mean over mean)",
+        rect and rect.get("rectify_overhead"), lambda v: v <= 0.10)
     small = min((r["context"] for r in rows), default=None)
     d4 = find(rows, row="dense", batch=1, context=small)
     worst = max((r["tpot_ms"] / d4["tpot_ms"] for r in rows if d4 and r["context"] == small and r["batch"] == 1
@@ -1197,6 +1249,10 @@ def write_json(args, results) -> str:
 
 def print_row(r: dict) -> None:
     rect = f" ({r['rectifications_timed']} rectif.)" if "rectify_every" in r else ""
+    if "rectify_overhead" in r:
+        rect += (f" re-encode {_fmt(r.get('reencode_ms'))} ms, {100 * r['rectify_overhead']:+.1f}% over "
+                 f"{r['base_row']} ({_fmt(r.get('reencode_overhead') and 100 * r['reencode_overhead'], '.1f')}% "
+                 "from the re-encoding steps)")
     print(f"   b{r['batch']} ctx {r['context']:>7} {r['row']:<12} TPOT {r['tpot_ms']:8.3f} ms "
           f"(p10 {r['p10_ms']:.3f} p90 {r['p90_ms']:.3f}) loop {r['loop_ms']:.3f} | floor {r['floor_ms']:.3f} ms "
           f"| peak {_fmt(r['peak_gb'], '.1f')} GB{rect}{'  ERROR ' + r['error'] if 'error' in r else ''}", flush=True)

@@ -25,6 +25,7 @@ from .dynamic_cache import fresh_call
 from .head_map import HeadMap
 from .install import STATE_ATTR, install
 from .lowering.kernel_path import refuse_probe_sites
+from .rectify import reencode_mode
 from .state_buffers import write_kinds
 from .tensor_parallel import agreed, kv_shard, process_group
 from .passes import Counters, PassContext, run_passes
@@ -76,12 +77,17 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     counters = Counters()
     snapshots: list[str] = []
 
-    def backend_for(cfg):
-        return make_backend(model, cfg, retrieval, streaming, counters, head_map.digest(), snapshots)
+    def backend_for(cfg, reencode=False):
+        return make_backend(model, cfg, retrieval, streaming, counters, head_map.digest(), snapshots, reencode)
     backend = backend_for(config)
     # A DynamicCache grows every step: its decode steps compile without CUDA graphs (a graph for every length)
-    dynamic_backend = backend_for(dataclasses.replace(config, cuda_graphs=False)) if config.cuda_graphs else backend
-    install(model, config, backend, dynamic_backend, linear_groups, retrieval[global_layers], global_layers, counters)
+    graphless = dataclasses.replace(config, cuda_graphs=False)
+    dynamic_backend = backend_for(graphless) if config.cuda_graphs else backend
+    # rectification's re-encode (once every R steps): its own backend, no CUDA graphs; None: it runs eagerly
+    reencode_backend = (backend_for(graphless, reencode=True)
+                        if config.rectify_every and reencode_mode(config, counters) else None)   # strict: may raise
+    install(model, config, backend, dynamic_backend, reencode_backend, linear_groups, retrieval[global_layers],
+            global_layers, counters)
     setattr(model, STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend, snapshots))
     state_of(model).budget_from_map = budget_from_map
     state_of(model).shard = shard

@@ -17,18 +17,19 @@ log = logging.getLogger("lychee_compile")
 
 
 def make_backend(model, config, retrieval: torch.Tensor, streaming: torch.Tensor, counters: Counters,
-                 head_map_digest: str, snapshots: list[str]):
-    """snapshots: receives graph_snapshot() of every rewritten decode graph (tests and `lychee` debugging)."""
+                 head_map_digest: str, snapshots: list[str], reencode: bool = False):
+    """snapshots: receives graph_snapshot() of every rewritten decode graph (tests and `lychee` debugging);
+    reencode: the backend of rectification's re-encode (rectify.py), whose graphs the pass rewrite makes dense."""
     def lychee_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         # kwargs: torch.compile / HF's CompileConfig pass mode= and options=; LycheeConfig decides instead
         # (cuda_graphs), so one config always means one compiled artifact.
         ctx = run_passes(PassContext(gm, model, config, retrieval, counters, streaming=streaming,
-                                     example_inputs=list(example_inputs)))
+                                     example_inputs=list(example_inputs), reencode=reencode))
         if ctx.is_decode and not ctx.aborted:
             snapshots.append(graph_snapshot(gm))
-        log.info("lychee_compile: graph %d (%s): %d sites%s; %d rewritten in total", counters.graphs,
-                 "decode" if ctx.is_decode else "prefill", len(ctx.sites), _site_kinds(ctx),
-                 counters.sites_rewritten)
+        kind = "decode" if ctx.is_decode else "re-encode" if reencode else "prefill"
+        log.info("lychee_compile: graph %d (%s): %d sites%s; %d rewritten in total", counters.graphs, kind,
+                 len(ctx.sites), _site_kinds(ctx), counters.sites_rewritten)
         decode = ctx.is_decode and not ctx.aborted
         if decode:      # kernels or reference, per site; strict refuses a CUDA site on the reference here
             account_sites(ctx.sites, config, counters)
@@ -41,7 +42,7 @@ def make_backend(model, config, retrieval: torch.Tensor, streaming: torch.Tensor
             return compiled(*args)
         return rewritten_decode_step
 
-    lychee_backend.__name__ = f"lychee_backend_{config.cache_key()}_{head_map_digest}"
+    lychee_backend.__name__ = f"lychee_backend_{config.cache_key()}_{head_map_digest}{'_reencode' * reencode}"
     return lychee_backend
 
 

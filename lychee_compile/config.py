@@ -105,6 +105,11 @@ class LycheeConfig:
     # Dense rectification (rectify.py): every `rectify_every` decode steps, re-encode those tokens densely and
     # overwrite their K/V (0 = off; LycheeDecode uses 32, ReSA studies 16-64).
     rectify_every: int = 0
+    # The re-encode runs the model's own compiled call (a dense prefill graph through this config's backend, fixed
+    # shapes: compiled once per batch size, rectify.py). False: the uncompiled model (HF's eager forward, several
+    # times slower at long context). rectify_every=1 cannot compile (a one-token forward is a decode step):
+    # strict mode refuses it at lychee_compile time, otherwise it runs eagerly, logged and counted.
+    compile_reencode: bool = True
     # The first global layer is all retrieval (nothing precedes it). False only for baselines whose first layer
     # must stay streaming (StreamingLLM); a sparse head there then inherits nothing.
     first_layer_retrieval: bool = True
@@ -118,8 +123,8 @@ class LycheeConfig:
     # Compile the decode step with CUDA graphs (Inductor's cudagraph trees): one replay per step instead of one
     # launch per kernel (at 128K on an H100 the default path took 13.3 ms a step without them, 6.8 ms with them).
     # CUDA models with backend="inductor" only; state buffers have static addresses for it. None (default): on
-    # wherever they apply -- a CUDA model, the Inductor backend, no rectification -- and off elsewhere, and
-    # lychee_compile logs which and why (resolved_for); decode steps on a DynamicCache run without them.
+    # wherever they apply -- a CUDA model, the Inductor backend -- and off elsewhere, and lychee_compile logs which
+    # and why (resolved_for); decode steps on a DynamicCache and rectification's re-encode run without them.
     cuda_graphs: bool | None = None
     # What compiles the rewritten graph: "inductor" (default), or "eager" (run the FX graph as is; fast to
     # build, used by tests that check the pass and numerics but not code generation).
@@ -214,7 +219,8 @@ class LycheeConfig:
         if self.attention == "flash_dense" and (self.heat_blocks or self.quest != "off" or self.rectify_every):
             raise LycheeConfigError("attention='flash_dense' is plain dense attention (the speed baseline): heat, "
                                     "Quest and rectification do not apply. Turn them off, or use attention='hybrid'.")
-        for name in ("cuda_graphs", "defer_selection", "tune_kernels", "fuse_linears", "decode_blas_workspace"):
+        for name in ("cuda_graphs", "defer_selection", "tune_kernels", "fuse_linears", "decode_blas_workspace",
+                     "compile_reencode"):
             if not isinstance(getattr(self, name), bool) and not (name == "cuda_graphs" and self.cuda_graphs is None):
                 raise LycheeConfigError(f"LycheeConfig.{name} must be a bool, got {getattr(self, name)!r}.")
         if self.cuda_graphs and self.backend != "inductor":
@@ -222,14 +228,13 @@ class LycheeConfig:
 
     def resolved_for(self, device) -> tuple["LycheeConfig", str]:
         """This config with cuda_graphs decided for a model on `device` (a torch.device): True / False as given;
-        None: on for a CUDA model with the Inductor backend and no rectification. Also why, as a sentence for the
-        log."""
+        None: on for a CUDA model with the Inductor backend. Also why, as a sentence for the log. (Rectification
+        does not turn them off: its re-encode writes the static cache's tensors in place between two replays, as a
+        prefill does.)"""
         if self.cuda_graphs is not None:
             return self, f"CUDA graphs {'on' if self.cuda_graphs else 'off'} (as configured)"
         why_not = ("the model is not on a CUDA device" if device.type != "cuda" else
-                   "backend='eager'" if self.backend != "inductor" else
-                   "rectify_every re-encodes the cache between steps, outside the graph" if self.rectify_every else
-                   None)
+                   "backend='eager'" if self.backend != "inductor" else None)
         resolved = dataclasses.replace(self, cuda_graphs=why_not is None)
         return resolved, ("CUDA graphs on (default for a CUDA model with the Inductor backend)" if why_not is None
                           else f"CUDA graphs off: {why_not}")

@@ -6,7 +6,9 @@
      so each model in a process compiles its own decode step (_own_compiled_call).
   3. with LycheeConfig.fuse_linears: the probe's sibling linears' weights become views of one buffer each
      (linear_groups.fuse_weights; same values, no extra memory).
-  4. with rectify_every: get_compiled_call wrapped (rectify.py: a dense re-encode every N steps, after the step).
+  4. with rectify_every: get_compiled_call wrapped (rectify.py: a dense re-encode every N steps, after the step),
+     by default through a compiled call of the model's own for it (a second code object, its own backend without
+     CUDA graphs: a prefill graph whose attention the pass rewrite makes lychee::dense_decode).
   5. state buffers registered (`_lychee_kinds`; `_lychee_heat` with heat; `_lychee_quest` at the first prefill with
      Quest), forward wrapped to announce them to the graph and rebuild them at a prefill; with Quest,
      get_compiled_call wrapped to rebuild descriptors for a cache this model did not prefill (state_buffers.py).
@@ -41,14 +43,16 @@ STATE_ATTR = "_lychee_state"
 log = logging.getLogger("lychee_compile")
 
 
-def install(model, config, backend, dynamic_backend, linear_groups, kinds, global_layers, counters) -> None:
+def install(model, config, backend, dynamic_backend, reencode_backend, linear_groups, kinds, global_layers,
+            counters) -> None:
     """Steps 1-8 of the module docstring (api.lychee_compile sets 9). kinds: bool [Lg, Hkv], the head kinds of the
-    global layers `global_layers`; dynamic_backend: the backend for DynamicCache decode steps."""
+    global layers `global_layers`; dynamic_backend: the backend for DynamicCache decode steps; reencode_backend: the
+    backend of rectification's re-encode, None where it runs the uncompiled model (rectify.reencode_mode)."""
     _compile_decode_steps(model, backend)                                            # 1, 2
     if config.fuse_linears:
         fuse_weights(model, linear_groups)                                           # 3
-    if config.rectify_every:
-        install_rectification(model, config.rectify_every)                          # 4
+    if config.rectify_every:                                                         # 4
+        install_rectification(model, config.rectify_every, reencode_backend, counters)
     before_decode = install_state(model, config, kinds, global_layers)              # 5
     install_dynamic_cache(model, dynamic_backend, config, before_decode)            # 6
     install_beam_reorder(model)                                                      # 7

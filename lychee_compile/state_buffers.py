@@ -7,12 +7,13 @@ prefill zeroes the heat (a new sequence starts with none; rectification's re-enc
 
 Quest descriptors (`_lychee_quest`, Quest bounds on; layout in ops/quest.py) are sized from the cache, so the
 buffer is created by the first eager forward that carries a cache (generate()'s prefill), not at install. After
-every eager forward with a cache (a prefill; a rectification's dense re-encode, rectify.py) the wrapped forward
-rebuilds every block's descriptor from that cache's global layers under the forward's padding mask; the compiled
-decode steps then keep them current themselves (quest_decode_step). A prefill chunk run through the compiled call
-(chunked prefill) is followed by the same rebuild, and finds the heat buffer sized for its batch beforehand (a new
-buffer cannot be made inside the graph). A compiled decode step called on a
-cache object other than the one they were built from (a cache this model did not prefill: the eval harness
+every eager forward with a cache (a prefill) the wrapped forward rebuilds every block's descriptor from that cache's
+global layers under the forward's padding mask; the compiled decode steps then keep them current themselves
+(quest_decode_step). A rectification's re-encode of the R newest tokens (rectify.py; compiled or eager) recomputes
+the blocks holding those R keys only, at the end of its own forward (inside its graph when it is compiled). A
+prefill chunk run through the compiled call (chunked prefill) is followed by the same rebuild, and finds the heat
+buffer sized for its batch beforehand (a new buffer cannot be made inside the graph). A compiled decode step called
+on a cache object other than the one they were built from (a cache this model did not prefill: the eval harness
 prefills on the base model and scores copies) rebuilds them from that cache first, outside the graph
 (QuestDescriptors.before_decode, run by the wrapped compiled call). Changes to a cache made without this model's
 forward (cropping it in place, say) are not seen. A new batch size, a larger cache, or a cache of another dtype /
@@ -27,7 +28,7 @@ import torch
 
 from .cache_kwarg import cache_of, tokens_of
 from .linear_groups import announce as announce_linear_groups
-from .ops.quest import block_descriptors, descriptor_dtype
+from .ops.quest import block_descriptors, descriptor_dtype, fold_recent_keys_
 from .errors import LycheeCompileError, LycheeConfigError
 from .rectify import REENCODING_ATTR, padding_mask
 
@@ -106,13 +107,14 @@ def _wrap_forward(model, keeper) -> None:
     @functools.wraps(inner)     # generate() reads forward's signature to decide what to pass (position_ids, ...)
     def forward(*args, **kwargs):
         x = tokens_of(args, kwargs)
+        # a prefill: any eager forward (generate() compiles only decode steps; a prompt may be one token) or a
+        # multi-token one, except rectification's re-encode of the last R tokens (same sequence). The flag is not read
+        # while Dynamo traces a one-token step: the read would become a guard of the decode graph.
+        eager_or_long = x.shape[1] > 1 or not torch.compiler.is_compiling()
+        reencoding = eager_or_long and getattr(model, REENCODING_ATTR, False)
         heat = getattr(model, HEAT_ATTR, None)
         if heat is not None:
-            # a prefill: any eager forward (generate() compiles only decode steps; a prompt may be one token) or a
-            # multi-token one, except rectification's re-encode of the last R tokens (same sequence, keeps its heat)
-            prefill = (x.shape[1] > 1 or not torch.compiler.is_compiling()) and not getattr(model, REENCODING_ATTR,
-                                                                                          False)
-            _reset_heat(model, heat, batch=x.shape[0], prefill=prefill)
+            _reset_heat(model, heat, batch=x.shape[0], prefill=eager_or_long and not reencoding)   # keeps its heat
             torch.ops.lychee.bind_state(getattr(model, HEAT_ATTR), "heat")
         desc = getattr(model, QUEST_ATTR, None)
         if desc is not None and torch.compiler.is_compiling():
@@ -124,7 +126,10 @@ def _wrap_forward(model, keeper) -> None:
         torch.ops.lychee.bind_state(getattr(model, KINDS_ATTR), "kinds")
         announce_linear_groups(model)
         out = inner(*args, **kwargs)
-        if keeper is not None and not torch.compiler.is_compiling():
+        if keeper is not None and reencoding:
+            # the re-encode (compiled or not) rewrote its R keys: their blocks, in this forward (rectify.py)
+            keeper.refresh_recent(cache_of(kwargs), kwargs["attention_mask"], x.shape[1])
+        elif keeper is not None and not torch.compiler.is_compiling():
             # an eager forward wrote (or overwrote) cache entries outside the decode graph: rebuild the descriptors
             keeper.rebuild(cache_of(kwargs), kwargs.get("attention_mask"))
         return out
@@ -151,6 +156,17 @@ class QuestDescriptors:
         cache = cache_of(kwargs)
         if cache is not None and (self.built_for is None or self.built_for() is not cache):
             self.rebuild(cache, kwargs.get("attention_mask"))
+
+    def refresh_recent(self, cache, padding: torch.Tensor, n: int) -> None:
+        """After a rectification re-encode of each row's `n` newest positions (padding [B, T]: the re-encode's mask
+        over the whole cache, rectify.written_padding): recompute the blocks holding them, in every global layer, in
+        place (ops/quest.fold_recent_keys_); the other blocks' keys did not change. Traceable: inside the compiled
+        re-encode it is part of that graph. The descriptors describe this cache already (its decode steps ran
+        QuestDescriptors.before_decode)."""
+        desc = getattr(self.model, QUEST_ATTR)
+        valid = padding.to(torch.bool)
+        for slot, layer in enumerate(self.global_layers):
+            fold_recent_keys_(desc, slot, cache.layers[layer].keys, valid, self.config.block_size, n)
 
     @torch.no_grad()
     def rebuild(self, cache, mask) -> None:

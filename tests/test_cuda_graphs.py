@@ -124,8 +124,8 @@ def test_waits_before_release_reads_kernel_bodies():
 
 
 def test_cuda_graphs_default_is_decided_per_model_and_logged(caplog):
-    # LycheeConfig(cuda_graphs=None), the default: on only for a CUDA model with the Inductor backend and no
-    # rectification; off elsewhere, and the log says why (a warning where a CUDA model decodes without them)
+    # LycheeConfig(cuda_graphs=None), the default: on only for a CUDA model with the Inductor backend (with
+    # rectification too); off elsewhere, and the log says why (a warning where a CUDA model decodes without them)
     config = LycheeConfig(**CFG)
     assert config.cuda_graphs is None
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -133,7 +133,7 @@ def test_cuda_graphs_default_is_decided_per_model_and_logged(caplog):
     assert config.resolved_for(cpu) == (dataclasses.replace(config, cuda_graphs=False),
                                         "CUDA graphs off: the model is not on a CUDA device")
     assert "backend='eager'" in LycheeConfig(backend="eager", **CFG).resolved_for(cuda)[1]
-    assert "rectify_every" in LycheeConfig(rectify_every=4, **CFG).resolved_for(cuda)[1]
+    assert LycheeConfig(rectify_every=4, **CFG).resolved_for(cuda)[0].cuda_graphs is True
     assert LycheeConfig(cuda_graphs=False, **CFG).resolved_for(cuda)[0].cuda_graphs is False
     with pytest.raises(LycheeConfigError, match="must be a bool"):
         LycheeConfig(cuda_graphs="yes")

@@ -34,15 +34,16 @@ def test_flash_dense_refuses_sparse_options():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("G,D", [(4, 128), (7, 64), (1, 256)])
-def test_flash_varlen_matches_reference_gpu(G, D):
+@pytest.mark.parametrize("G,D,L", [(4, 128, 1), (7, 64, 1), (1, 256, 1), (4, 128, 32), (7, 64, 5)])
+def test_flash_varlen_matches_reference_gpu(G, D, L):
+    # L > 1: rectification's re-encode (the L newest valid positions, causal among themselves)
     B, Hkv, T = 3, 2, 4096 + 33
-    g = torch.Generator(device="cuda").manual_seed(G * D)
-    q = torch.randn(B, Hkv * G, 1, D, device="cuda", generator=g).bfloat16()
+    g = torch.Generator(device="cuda").manual_seed(G * D + L)
+    q = torch.randn(B, L, Hkv * G, D, device="cuda", generator=g).bfloat16().transpose(1, 2)
     k = torch.randn(B, Hkv, T, D, device="cuda", generator=g).bfloat16()
     v = torch.randn(B, Hkv, T, D, device="cuda", generator=g).bfloat16()
     valid = torch.zeros(B, T, dtype=torch.bool, device="cuda")
-    for b, (lo, hi) in enumerate([(0, T), (901, T - 5), (17, 18)]):
+    for b, (lo, hi) in enumerate([(0, T), (901, T - 5), (17, 17 + L)]):      # the last row: only the queries
         valid[b, lo:hi] = True
     out = torch.ops.lychee.dense_decode(q, k, v, valid, D ** -0.5)
     ref = dense_decode_reference(q, k, v, valid, D ** -0.5)

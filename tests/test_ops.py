@@ -111,18 +111,33 @@ def test_num_select_is_budget_over_block_rounded_up():
 DENSE = torch.ops.lychee.dense_decode.default
 
 
+def _queries(q, L):
+    """q [B, Hq, 1, D] -> [B, Hq, L, D] (L queries: rectification's re-encode), not contiguous (as a model's)."""
+    g = torch.Generator().manual_seed(L)
+    B, Hq, _, D = q.shape
+    return torch.randn(B, L, Hq, D, generator=g).to(q.dtype).transpose(1, 2)
+
+
+@pytest.mark.parametrize("L", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dense_decode_opcheck(dtype):
+def test_dense_decode_opcheck(dtype, L):
     q, k, v, valid, _ = inputs(dtype=dtype)
-    torch.library.opcheck(DENSE, (q, k, v, valid, 0.25))
+    torch.library.opcheck(DENSE, (_queries(q, L), k, v, valid, 0.25))
 
 
-def test_dense_decode_is_masked_sdpa():
+@pytest.mark.parametrize("L", [1, 4])
+def test_dense_decode_is_masked_sdpa(L):
+    # the L queries are each row's L newest valid positions: causal among themselves, every earlier valid key
     q, k, v, valid, _ = inputs()
+    q = _queries(q, L)
     out = DENSE(q, k, v, valid, 0.25)
+    pos = torch.arange(valid.shape[1])
+    end = torch.tensor([30, 30])                                     # inputs(): valid [pad, 30) in both rows
+    own = end[:, None] - L + torch.arange(L)                         # [B, L]
+    mask = valid[:, None, :] & (pos <= own[:, :, None])              # [B, L, T]
     ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
-                                                           attn_mask=valid[:, None, None, :], scale=0.25)
-    assert (out - ref).abs().max() < 1e-5
+                                                           attn_mask=mask[:, None], scale=0.25)
+    assert out.is_contiguous() and (out - ref).abs().max() < 1e-5
 
 
 # --- lychee::hybrid_decode_mass (extra blocks for sparse heads + per-block mass: heat and Quest build on it) -------

@@ -1,5 +1,7 @@
-"""Dense rectification: after a rectification the rectified tokens' cache entries equal those of a dense
-run over the same tokens; the compiled decode graph is not recompiled; without rectification they differ."""
+"""Dense rectification: after a rectification the rectified tokens' cache entries equal those of a dense run over
+the same tokens; without rectification they differ. The re-encode runs compiled (a dense prefill graph of its own,
+compiled once, the decode graph never recompiled) and writes what the uncompiled model's re-encode writes;
+rectify_every=1 cannot compile (refused in strict mode, eager and counted otherwise)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +9,7 @@ import torch
 
 from lychee_compile import HeadMap, LycheeConfig, LycheeConfigError, lychee_compile
 from lychee_compile.api import state_of
-from tests.harness import compiled
+from tests.harness import EXACT_TOL, compiled, generate_logits, max_logit_diff
 from tests.models import make, make_batch
 from tests.test_sparse_semantics import mixed_map
 
@@ -85,3 +87,98 @@ def test_rectified_entries_equal_dense_in_teacher_forced_scoring():
     tail = max((m.keys[:, :, rectified:end] - r.keys[:, :, rectified:end]).abs().max().item()
                for m, r in zip(pre.cache.layers, dense_pre.cache.layers))
     assert tail > 1e-3, "the tail after the last rectification is sparse-decoded and must differ from dense"
+
+
+def test_compiled_reencode_equals_eager_reencode_and_dense_with_all_retrieval_heads(caplog):
+    from torch._dynamo.utils import counters
+    ids, mask = make_batch(lengths=(26, 17))
+    steps = 3 * R + 1                                       # 3R decode steps: three re-encodes
+    with caplog.at_level("INFO", logger="lychee_compile"):
+        model, state = compiled("llama", "sdpa", rectify_every=R, **CFG)
+    assert "re-encode runs compiled" in caplog.text
+    graphs = counters["stats"]["unique_graphs"]
+    seq, logits = generate_logits(model, ids, mask, steps)
+    c = state.counters
+    assert (c.reencodes_compiled, c.reencodes_eager, c.reencode_graphs, c.reencode_eager_reason) == (3, 0, 1, None)
+    assert (c.decode_graphs, c.prefill_graphs) == (1, 1), "the re-encode graph is a prefill graph (dense)"
+    assert (c.reencode_sites_dense, c.reencode_sites_unchanged) == (model.config.num_hidden_layers, 0)
+    assert c.sites_rewritten == model.config.num_hidden_layers, "only the decode graph's sites go sparse"
+    assert counters["stats"]["unique_graphs"] == graphs + 2, "one decode graph and one re-encode graph, no recompile"
+    generate_logits(model, ids, mask, steps)
+    assert counters["stats"]["unique_graphs"] == graphs + 2 and c.reencodes_compiled == 6
+
+    eager, eager_state = compiled("llama", "sdpa", rectify_every=R, compile_reencode=False, **CFG)
+    eager_seq, eager_logits = generate_logits(eager, ids, mask, steps)
+    e = eager_state.counters
+    assert (e.reencodes_compiled, e.reencodes_eager, e.reencode_graphs) == (0, 3, 0)
+    assert e.reencode_eager_reason == "compile_reencode=False (as configured)"
+    dense_seq, dense_logits = generate_logits(make("llama", "sdpa"), ids, mask, steps)
+    assert torch.equal(seq, eager_seq) and torch.equal(seq, dense_seq)
+    assert max_logit_diff(logits, eager_logits) < EXACT_TOL and max_logit_diff(logits, dense_logits) < EXACT_TOL
+
+
+def test_compiled_reencode_writes_the_eager_reencodes_cache_with_a_sparse_map():
+    ids, mask = make_batch(lengths=(26, 17))
+    runs = {}
+    for compile_reencode in (True, False):
+        model, state = compiled("llama", "sdpa", retrieval=mixed_map(make("llama", "sdpa")), rectify_every=R,
+                                compile_reencode=compile_reencode, **CFG)
+        runs[compile_reencode] = run(model, ids, mask, 2 * R + 1)
+        c = state.counters
+        assert (c.reencodes_compiled, c.reencodes_eager) == ((2, 0) if compile_reencode else (0, 2))
+    (seq, cache), (eager_seq, eager_cache) = runs[True], runs[False]
+    assert torch.equal(seq, eager_seq)
+    written = ids.shape[1] + 2 * R
+    for mine, ref in zip(cache.layers, eager_cache.layers):
+        assert torch.allclose(mine.keys[:, :, :written], ref.keys[:, :, :written], atol=1e-5)
+        assert torch.allclose(mine.values[:, :, :written], ref.values[:, :, :written], atol=1e-5)
+
+
+def test_one_token_reencode_is_refused_in_strict_mode_and_runs_eagerly_otherwise(caplog):
+    model = make("llama", "sdpa")
+    with pytest.raises(LycheeConfigError, match="rectify_every=1"):
+        lychee_compile(model, HeadMap.for_model(model), LycheeConfig(backend="eager", rectify_every=1, **CFG))
+    assert not hasattr(model, "_lychee_state")
+    with caplog.at_level("WARNING", logger="lychee_compile"):
+        model, state = compiled("llama", "sdpa", retrieval=mixed_map(make("llama", "sdpa")), rectify_every=1,
+                                strict=False, **CFG)
+    assert "the re-encode runs the uncompiled model" in caplog.text
+    ids, mask = make_batch(lengths=(26, 17))
+    seq, cache = run(model, ids, mask, 4)                   # 3 decode steps, each re-encoded
+    c = state.counters
+    assert (c.reencodes_eager, c.reencodes_compiled, c.reencode_graphs, c.decode_graphs) == (3, 0, 0, 1)
+    assert c.reencode_eager_reason.startswith("rectify_every=1")
+    ref = dense_cache("llama", "sdpa", seq, mask, 3)
+    span = slice(ids.shape[1], ids.shape[1] + 3)
+    for layer in range(1, model.config.num_hidden_layers):
+        assert torch.allclose(cache.layers[layer].keys[:, :, span], ref.layers[layer].keys[:, :, span], atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_reencode_between_cuda_graph_replays_gpu():
+    # the default config on a CUDA model: the decode step replays a CUDA graph, the re-encode (Inductor, no CUDA
+    # graphs) rewrites the static cache between two replays; same tokens as the model without CUDA graphs, no
+    # recompile and no CUDA-graph skip across generate() calls
+    from torch._dynamo.utils import counters
+    ids, mask = (x.cuda() for x in make_batch(lengths=(90, 71)))
+    retrieval = mixed_map(make("llama", "sdpa"))
+    cfg = dict(budget=32, block_size=16, sink_tokens=16, local_tokens=16, rectify_every=R)
+
+    def build(**kw):
+        model = make("llama", "sdpa").to("cuda", torch.bfloat16)
+        lychee_compile(model, HeadMap(retrieval).with_model_metadata(model), LycheeConfig(**cfg, **kw))
+        return model, state_of(model)
+    model, state = build()
+    assert state.config.cuda_graphs is True
+    seq, logits = generate_logits(model, ids, mask, 3 * R + 1)
+    graphs = counters["stats"]["unique_graphs"]
+    again, _ = generate_logits(model, ids, mask, 3 * R + 1)
+    c = state.counters
+    assert counters["stats"]["unique_graphs"] == graphs and torch.equal(seq, again)
+    assert (c.reencodes_compiled, c.reencode_graphs, c.decode_graphs) == (6, 1, 1)
+    assert counters["inductor"]["cudagraph_skips"] == 0, "Inductor skipped CUDA graphs (see its log for why)"
+    plain, _ = build(cuda_graphs=False, compile_reencode=False)
+    plain_seq, plain_logits = generate_logits(plain, ids, mask, 3 * R + 1)
+    assert torch.equal(seq, plain_seq)
+    assert (logits.float() - plain_logits.float()).abs().max() < 5e-2

@@ -26,10 +26,11 @@ State layout (one buffer per compiled model, the non-persistent buffer `_lychee_
             they are exact in the keys' own dtype: fp32 would double the size for nothing.
         Size: 2 * D values per (block, layer, KV head) against 2 * block_size * D for K and V: 1 / block_size of
         the KV cache at the same capacity (6.25% at block_size 16).
-Maintenance (state_buffers.py, rectify.py): every eager forward that carries a cache (the prefill, and each
-rectification's dense re-encode) recomputes every block from the cache after it returns (+inf / -inf where a block
-has no valid key); a compiled decode step appends one key per row and recomputes that key's block only, in place in
-the buffer (fold_newest_key_: one block per row, layer and KV head written, nothing copied).
+Maintenance (state_buffers.py, rectify.py): every eager forward that carries a cache (the prefill) recomputes every
+block from the cache after it returns (+inf / -inf where a block has no valid key); a compiled decode step appends
+one key per row and recomputes that key's block only, in place in the buffer (fold_newest_key_: one block per row,
+layer and KV head written, nothing copied); a rectification's re-encode of each row's R newest keys recomputes the
+blocks holding them (fold_recent_keys_, at most ceil((R - 1) / block_size) + 1 per row, layer and KV head).
 Invariant: every block holding a valid key describes exactly its valid keys. Blocks without a valid key are
 unspecified (normally +inf / -inf from the last rebuild, but a decode step on a cache whose mask lost positions --
 a cache reused from a longer sequence, say -- leaves the old values there); nothing reads them, because every
@@ -82,6 +83,15 @@ def fold_newest_key_(desc: torch.Tensor, slot: int, k: torch.Tensor, valid: torc
     index_put chain ending in a copy_ into that input, which it turns back into an in-place scatter of these
     B * H * 2 * D values.
     """
+    fold_recent_keys_(desc, slot, k, valid, block_size, 1)
+
+
+def fold_recent_keys_(desc: torch.Tensor, slot: int, k: torch.Tensor, valid: torch.Tensor, block_size: int,
+                      n: int) -> None:
+    """fold_newest_key_ for each row's `n` newest valid positions (a rectification's re-encode rewrote their keys):
+    the ceil((n - 1) / block_size) + 1 blocks from the one holding position hi - n up to the newest key's are
+    recomputed from k, in place; none past the newest key's block (a block index repeated there writes the same
+    values). Every other block's keys are unchanged, so the buffer describes the cache as a full rebuild would."""
     B, H, T, D = k.shape
     nb = -(-T // block_size)
     if (desc.dim() != 6 or desc.shape[0] != B or not 0 <= slot < desc.shape[1] or desc.shape[2] != H
@@ -90,19 +100,25 @@ def fold_newest_key_(desc: torch.Tensor, slot: int, k: torch.Tensor, valid: torc
                          f"{tuple(k.shape)}: expected [{B}, Lg > {slot}, {H}, NB >= {nb}, 2, {D}] (NB blocks of "
                          f"{block_size} must cover the cache).")
     dev = k.device
+    count = -(-(n - 1) // block_size) + 1                                          # blocks n positions can touch
     pos = torch.arange(T, device=dev)
     newest = torch.where(valid, pos, -1).amax(-1)                                  # [B]; -1: no valid key
     lo = row_start(valid)                                                          # [B]; 0: no valid key
-    blk = (newest - lo).clamp_min(0) // block_size                                 # [B] text-relative
-    tok = lo[:, None] + blk[:, None] * block_size + torch.arange(block_size, device=dev)   # [B, bs] its positions
+    last = (newest - lo).clamp_min(0) // block_size                                # [B] text-relative
+    first = (newest - lo - (n - 1)).clamp_min(0) // block_size                     # [B]
+    blk = torch.minimum(first[:, None] + torch.arange(count, device=dev), last[:, None])   # [B, count]
+    tok = (lo[:, None, None] + blk[:, :, None] * block_size
+           + torch.arange(block_size, device=dev)).flatten(1)                      # [B, count * bs] positions
     inside = tok < T                                                               # the last block may be short
     tok = tok.clamp(max=T - 1)
-    ok = (torch.gather(valid, 1, tok) & inside)[:, None, :, None]                  # [B, 1, bs, 1]
-    keys = torch.gather(k, 2, tok[:, None, :, None].expand(B, H, block_size, D)).float()
+    ok = (torch.gather(valid, 1, tok) & inside)[:, None, :, None]                  # [B, 1, count * bs, 1]
+    keys = torch.gather(k, 2, tok[:, None, :, None].expand(B, H, tok.shape[1], D)).float()
     inf = torch.tensor(float("inf"), device=dev)
-    fresh = torch.stack([torch.where(ok, keys, inf).amin(2), torch.where(ok, keys, -inf).amax(2)], 2)  # [B,H,2,D]
-    where = (torch.arange(B, device=dev)[:, None], torch.full((1, 1), slot, dtype=torch.long, device=dev),
-             torch.arange(H, device=dev)[None, :], blk[:, None])                   # each broadcasts to [B, H]
+    per_block = (B, H, count, block_size, D)
+    fresh = torch.stack([torch.where(ok, keys, inf).view(per_block).amin(3),
+                         torch.where(ok, keys, -inf).view(per_block).amax(3)], 3)  # [B, H, count, 2, D]
+    where = (torch.arange(B, device=dev)[:, None, None], torch.full((1, 1, 1), slot, dtype=torch.long, device=dev),
+             torch.arange(H, device=dev)[None, :, None], blk[:, None, :])          # each broadcasts to [B, H, count]
     desc.index_put_(where, fresh.to(desc.dtype))
 
 

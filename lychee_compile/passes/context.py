@@ -77,6 +77,16 @@ class Counters:
     sites_on_reference: int = 0
     decode_calls: int = 0            # runtime: calls of a rewritten decode graph (generate() checks it moved)
     generate_calls_dense: int = 0    # runtime: generate() calls whose decode steps never reached the rewrite
+    # rectification (rectify.py): graphs compiled for its re-encode (each a prefill graph, also in prefill_graphs)
+    # and their attention sites made lychee::dense_decode (pass rewrite), or left as the model computes them (no
+    # mask: non-strict only, logged); re-encodes run through that compiled call, or through the uncompiled model
+    # (compile_reencode=False, or rectify_every=1 outside strict mode: the reason in reencode_eager_reason)
+    reencode_graphs: int = 0
+    reencode_sites_dense: int = 0
+    reencode_sites_unchanged: int = 0
+    reencodes_compiled: int = 0
+    reencodes_eager: int = 0
+    reencode_eager_reason: str | None = None
     reasons: list[str] = dataclasses.field(default_factory=list)
     reference_reasons: list[str] = dataclasses.field(default_factory=list)
 
@@ -98,6 +108,7 @@ class PassContext:
     sites: list[Site] = dataclasses.field(default_factory=list)
     is_decode: bool | None = None
     rewrite: bool = True             # False: detect and check only (the probe in lychee_compile)
+    reencode: bool = False           # a graph of rectification's re-encode (rectify.py; pass rewrite)
     aborted: str | None = None       # set when the graph is left dense as a whole (non-strict)
     example_inputs: list | None = None   # the tensors Dynamo bound to the placeholders, in order (fuse_linears)
 

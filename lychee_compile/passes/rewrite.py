@@ -1,5 +1,9 @@
 """Pass `rewrite`: replace every global decode site by one `lychee::hybrid_decode` op (or, for the dense speed
-baseline attention="flash_dense", one `lychee::dense_decode` op, which has no index state).
+baseline attention="flash_dense", one `lychee::dense_decode` op, which has no index state). In a graph of
+rectification's re-encode (PassContext.reencode: a prefill of the R newest tokens over the cache, rectify.py) every
+site becomes `lychee::dense_decode` with R queries instead: dense, what the model's masked attention computes, but
+over the valid keys only and with no repeat_kv copy of the cache (HF's masked SDPA over the whole capacity, after
+repeat_kv, read and wrote G + 1 times the cache's bytes per layer). Other prefill graphs are never rewritten.
 
 Per site, inserted right before the original attention output (so after the KV-cache write of that layer):
     valid = valid_from_<mask kind>(mask, q)                  # bool [B, T]; ONE node shared by every site with
@@ -27,12 +31,13 @@ import operator
 
 import torch
 
+from ..errors import LycheeCompileError
 from ..ops.heat import heat_decode_step
 from ..ops.hybrid_decode import IDX_OUT, OUT, SLOT_OUT, hybrid_decode_op
 from ..ops.op_arguments import positional
 from ..ops.quest_decode import quest_decode_step
 from .canonicalize import VALID_FROM, valid_everywhere
-from .context import PassContext, Site
+from .context import PassContext, Site, log
 from .thread_slots import layer_slot
 
 
@@ -43,6 +48,9 @@ def kinds_slot(kinds: torch.Tensor, slot: int) -> torch.Tensor:
 
 
 def rewrite_sites(ctx: PassContext) -> None:
+    if ctx.reencode:
+        _rewrite_reencode(ctx)
+        return
     global_sites = [s for s in ctx.sites if s.kind == "global"]
     if global_sites and ctx.config.attention == "hybrid" and not _buffers_fit(ctx, len(global_sites)):
         return
@@ -50,6 +58,28 @@ def rewrite_sites(ctx: PassContext) -> None:
     for slot, site in enumerate(global_sites):
         _rewrite(ctx, site, slot, shared_valid)
         ctx.counters.sites_rewritten += 1
+
+
+def _rewrite_reencode(ctx: PassContext) -> None:
+    """Every site of a re-encode graph -> dense_decode (all or none: a site without a mask, whose valid keys and
+    query positions the graph does not say, leaves the graph as the model computes it, which strict mode refuses)."""
+    if ctx.is_decode:
+        raise LycheeCompileError("the rectification re-encode compiled as a decode graph (query length 1), which "
+                                 "would be rewritten to sparse attention; it must stay dense.")
+    ctx.counters.reencode_graphs += 1
+    sites = [s for s in ctx.sites if s.kind == "prefill"]
+    if any(s.mask_kind == "none" for s in sites):
+        message = ("an attention site of the rectification re-encode has no mask, so its valid keys are unknown: "
+                   "the re-encode keeps the model's own attention (masked over the whole cache)")
+        if ctx.strict:
+            raise LycheeCompileError(message)
+        log.warning("lychee_compile: %s.", message)
+        ctx.counters.reencode_sites_unchanged += len(sites)
+        return
+    shared_valid: dict = {}
+    for site in sites:
+        _rewrite(ctx, site, None, shared_valid)
+        ctx.counters.reencode_sites_dense += 1
 
 
 def _buffers_fit(ctx: PassContext, n_global: int) -> bool:
@@ -85,7 +115,7 @@ def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int):
         return graph.call_function(target, positional(target, named))
 
     attention = dict(q=site.q, k=site.kv_k, v=site.kv_v, valid=valid, scale=site.scale)
-    if cfg.attention == "flash_dense":
+    if _dense(ctx):
         return call(torch.ops.lychee.dense_decode.default, **attention), None
     hybrid = dict(attention, retrieval=kinds, idx_in=None,        # idx_in: wired by thread_state
                   block_size=cfg.block_size, sink_tokens=cfg.sink_tokens, local_tokens=cfg.local_tokens,
@@ -100,6 +130,11 @@ def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int):
     return call(hybrid_decode_op(), **hybrid, **quest), None
 
 
+def _dense(ctx: PassContext) -> bool:
+    """The sites become lychee::dense_decode (the flash_dense baseline, or a re-encode graph)."""
+    return ctx.config.attention == "flash_dense" or ctx.reencode
+
+
 def _valid_key(site: Site) -> tuple:
     """Sites whose valid [B, T] is provably the same value: the same mask node and kind (B is the graph's batch),
     or, with no mask, the same cache length."""
@@ -110,7 +145,7 @@ def _valid_key(site: Site) -> tuple:
 
 def _rewrite(ctx: PassContext, site: Site, slot: int, shared_valid: dict) -> None:
     graph = ctx.gm.graph
-    dense = ctx.config.attention == "flash_dense"        # one output, no head kinds, no index state
+    dense = _dense(ctx)                                  # one output, no head kinds, no index state
     with graph.inserting_before(site.output):
         key = _valid_key(site)
         valid = shared_valid.get(key)
