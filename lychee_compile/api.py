@@ -21,7 +21,7 @@ import torch
 from .backend import make_backend
 from .config import LycheeConfig
 from .errors import HeadMapError, LycheeCompileError, LycheeConfigError, lychee_error_inside
-from .dynamic_cache import fresh_call
+from .fresh_call import fresh_call
 from .head_map import HeadMap
 from .install import STATE_ATTR, install
 from .lowering.kernel_path import refuse_probe_sites

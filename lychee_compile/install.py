@@ -30,7 +30,8 @@ import logging
 import torch
 
 from .beam_search import BEAM_STEPS_ATTR, install_beam_reorder
-from .dynamic_cache import fresh_call, install_dynamic_cache
+from .dynamic_cache import install_dynamic_cache
+from .fresh_call import fresh_call
 from .errors import LycheeCompileError, lychee_error_inside
 from .cache_kwarg import tokens_of
 from .generation_modes import generation_mode, merged_config, unsupported_mode

@@ -148,7 +148,7 @@ def compiled_reencode(model, backend):
     """The model's own compiled call for the re-encode: a fresh code object, so its Dynamo cache entries are its own,
     never the decode step's. backend: the lychee backend made for it (backend.make_backend(reencode=True), no CUDA
     graphs); fixed shapes (dynamic=False): one graph per batch size."""
-    from .dynamic_cache import fresh_call
+    from .fresh_call import fresh_call
     return torch.compile(fresh_call(model, "lychee_reencode"), backend=backend, fullgraph=True, dynamic=False)
 
 
