@@ -32,6 +32,49 @@ def test_flash_dense_refuses_sparse_options():
         LycheeConfig(attention="sparse")
 
 
+def _varlen_semantics(rows, k_flat, v_flat, cu_q, cu_k, used, max_q, max_k, causal, scale):
+    """FlashAttention-2 varlen's contract, written out on the CPU: sequence i's queries rows[cu_q[i]:cu_q[i+1]] attend
+    keys cu_k[i] ... cu_k[i] + used[i] - 1, causal aligned to the last key; a sequence with no key gives 0 and an
+    infinite log-sum-exp."""
+    outs, lses = [], []
+    for i in range(len(used)):
+        q = rows[cu_q[i]:cu_q[i + 1]].float()                              # [Lq, G, D]
+        kk = k_flat[cu_k[i]:cu_k[i] + used[i], 0].float()                  # [u, D]
+        vv = v_flat[cu_k[i]:cu_k[i] + used[i], 0].float()
+        Lq, u = q.shape[0], kk.shape[0]
+        scores = torch.einsum("lgd,ud->glu", q, kk) * scale
+        if causal:
+            allowed = torch.arange(u)[None, :] <= torch.arange(Lq)[:, None] + (u - Lq)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        if u == 0:
+            outs.append(torch.zeros(Lq, q.shape[1], q.shape[2]))
+            lses.append(torch.full((q.shape[1], Lq), float("inf")))
+            continue
+        outs.append(torch.einsum("glu,ud->lgd", scores.softmax(-1), vv))
+        lses.append(scores.logsumexp(-1))
+    return torch.cat(outs).to(rows.dtype), torch.cat(lses, 1)
+
+
+@pytest.mark.parametrize("segments", [1, 3, 16])
+@pytest.mark.parametrize("L", [1, 5])
+def test_key_segments_merge_to_the_reference(monkeypatch, segments, L):
+    """The flash path's own logic on the CPU: the L queries' keys cut into segments (some short or empty), each a
+    varlen sequence, merged by log-sum-exp, equal the reference (the kernel call itself: the GPU test below)."""
+    import importlib
+    dd = importlib.import_module("lychee_compile.ops.dense_decode")   # the module (the package exports the op)
+    monkeypatch.setattr(dd, "KEY_SEGMENTS", segments)
+    B, Hkv, G, T, D = 4, 2, 3, 40, 8
+    g = torch.Generator().manual_seed(segments * 10 + L)
+    q = torch.randn(B, Hkv * G, L, D, generator=g)
+    k, v = torch.randn(B, Hkv, T, D, generator=g), torch.randn(B, Hkv, T, D, generator=g)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    for b, (lo, hi) in enumerate([(0, T), (7, 30), (10, 10 + L), (3, 3 + L + 2)]):   # prefix T - L ... 0 ... 2 keys
+        valid[b, lo:hi] = True
+    out = dd._flash_varlen(q, k, v, valid, D ** -0.5, attend=_varlen_semantics)
+    ref = dense_decode_reference(q, k, v, valid, D ** -0.5)
+    assert out.shape == ref.shape and (out - ref).abs().max() < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("G,D,L", [(4, 128, 1), (7, 64, 1), (1, 256, 1), (4, 128, 32), (7, 64, 5)])

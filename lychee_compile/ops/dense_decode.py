@@ -18,9 +18,10 @@ Names and shapes:
                              same contract the hybrid Triton kernel relies on. end_b - start_b >= L
     out    [B, Hq, L, D]     q.dtype, contiguous; query i attends the valid positions up to end_b - L + i
 On CUDA with fp16/bf16 it runs FlashAttention-2 varlen with `seqused_k` (no host sync, CUDA-graph safe): each
-(row, KV head) is one variable-length sequence starting at start_b with end_b - start_b keys, its L queries a
-sequence of L tokens whose G query heads are the heads of a multi-query group, causal (aligned to the last key, as
-FlashAttention-2 aligns a shorter query). Elsewhere it runs the masked reference below.
+(row, KV head) is one variable-length sequence starting at start_b with end_b - start_b keys, its queries a sequence
+whose G query heads are the heads of a multi-query group. With L > 1 the keys before the queries' own are cut into
+KEY_SEGMENTS sequences (no mask) plus the queries' own L keys (causal), merged by log-sum-exp (_segmented).
+Elsewhere it runs the masked reference below.
 """
 from __future__ import annotations
 
@@ -45,22 +46,78 @@ def dense_decode_reference(q, k, v, valid, scale: float) -> torch.Tensor:
     return out.reshape(B, Hq, L, D).to(q.dtype).contiguous()
 
 
-def _flash_varlen(q, k, v, valid, scale: float) -> torch.Tensor:
-    B, Hq, L, D = q.shape
-    Hkv, T = k.shape[1], k.shape[2]
-    G, n = Hq // Hkv, B * Hkv
+# Key segments of the L > 1 path: FlashAttention-2 splits the keys over several blocks only for ONE query (its
+# split-KV path); with L queries every (row, KV head) sequence is G thread blocks, each walking the whole context
+# alone (32 blocks for Llama-3-8B at batch 1: 3.7 ms a layer at 128K on the H200). So the keys are cut into this many
+# segments, each its own sequence, and the partial results merged by their log-sum-exp.
+KEY_SEGMENTS = 16
+
+
+def _ranges(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's valid range [start, end) as int32 [B] tensors (no host sync)."""
+    T = valid.shape[-1]
     v8 = valid.to(torch.int8)
     start = v8.argmax(dim=-1).to(torch.int32)                            # first valid position  [B]
     end = (T - v8.flip(-1).argmax(dim=-1)).to(torch.int32)               # one past the last one [B]
-    offsets = torch.arange(n + 1, device=q.device, dtype=torch.int32) * T
-    cu_k = offsets + torch.nn.functional.pad(start.repeat_interleave(Hkv), (0, 1))
-    used = (end - start).repeat_interleave(Hkv)                          # [B * Hkv]
-    cu_q = torch.arange(n + 1, device=q.device, dtype=torch.int32) * L
-    rows = q.view(B, Hkv, G, L, D).transpose(2, 3).reshape(n * L, G, D)  # sequence (b, h): L tokens x G heads
-    out = torch.ops.aten._flash_attention_forward(
-        rows, k.reshape(n * T, 1, D), v.reshape(n * T, 1, D), cu_q, cu_k, L, T, 0.0, L > 1,
-        False, scale=scale, seqused_k=used)[0]                            # [B * Hkv * L, G, D]
-    return out.view(B, Hkv, L, G, D).transpose(2, 3).reshape(B, Hq, L, D).contiguous()
+    return start, end
+
+
+def _flash_attend(rows, k_flat, v_flat, cu_q, cu_k, used, max_q: int, max_k: int, causal: bool, scale: float):
+    """FlashAttention-2 varlen: (out [total_q, G, D], lse [G, total_q] fp32; +inf where a sequence has no key)."""
+    out, lse = torch.ops.aten._flash_attention_forward(
+        rows, k_flat, v_flat, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=used)[:2]
+    return out, lse
+
+
+def _flash_varlen(q, k, v, valid, scale: float, attend=_flash_attend) -> torch.Tensor:
+    B, Hq, L, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    G, n = Hq // Hkv, B * Hkv
+    start, end = _ranges(valid)
+    rows = q.view(B, Hkv, G, L, D).transpose(2, 3).reshape(n, L, G, D)  # sequence (b, h): L tokens x G heads
+    k_flat, v_flat = k.reshape(n * T, 1, D), v.reshape(n * T, 1, D)
+    base = torch.arange(n, device=q.device, dtype=torch.int32) * T       # [n] where sequence (b, h)'s keys begin
+    if L == 1:                                                            # a decode step: FA2 splits the keys itself
+        out = attend(rows.reshape(n, G, D), k_flat, v_flat, _cumulative(n, 1, q.device),
+                     _closed(base + start.repeat_interleave(Hkv)), (end - start).repeat_interleave(Hkv), 1, T,
+                     False, scale)[0]
+        return out.view(B, Hkv, L, G, D).transpose(2, 3).reshape(B, Hq, L, D).contiguous()
+    out = _segmented(rows, k_flat, v_flat, base, start.repeat_interleave(Hkv), end.repeat_interleave(Hkv), T,
+                     scale, attend, KEY_SEGMENTS)                         # [n, L, G, D]
+    return out.view(B, Hkv, L, G, D).transpose(2, 3).reshape(B, Hq, L, D).to(q.dtype).contiguous()
+
+
+def _cumulative(sequences: int, length: int, device) -> torch.Tensor:
+    return torch.arange(sequences + 1, device=device, dtype=torch.int32) * length
+
+
+def _closed(first: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens from each sequence's first key (lengths come from seqused_k; the closing entry is never read)."""
+    return torch.cat([first, first[-1:]])
+
+
+def _segmented(rows, k_flat, v_flat, base, start, end, T: int, scale: float, attend, segments: int):
+    """L queries per sequence over [start, end): S segments of the keys before the queries' own L (no mask) and one
+    causal segment of their own L keys, merged by log-sum-exp.
+        rows   [n, L, G, D]   base, start, end  int32 [n]   ->   [n, L, G, D] fp32"""
+    n, L, G, D = rows.shape
+    S = segments
+    prefix = end - L - start                                              # [n] keys every query attends
+    size = (prefix + S - 1) // S                                          # [n] keys per segment (the last may be short)
+    s = torch.arange(S, device=rows.device, dtype=torch.int32)
+    first = start[:, None] + s * size[:, None]                            # [n, S]
+    count = torch.minimum((prefix[:, None] - s * size[:, None]).clamp_min(0), size[:, None])   # [n, S]
+    seg_out, seg_lse = attend(rows[:, None].expand(n, S, L, G, D).reshape(n * S * L, G, D), k_flat, v_flat,
+                              _cumulative(n * S, L, rows.device), _closed((base[:, None] + first).reshape(-1)),
+                              count.reshape(-1), L, T, False, scale)
+    own_out, own_lse = attend(rows.reshape(n * L, G, D), k_flat, v_flat, _cumulative(n, L, rows.device),
+                              _closed(base + end - L), torch.full_like(end, L), L, L, True, scale)
+    outs = torch.cat([seg_out.view(n, S, L, G, D), own_out.view(n, 1, L, G, D)], 1).float()
+    lse = torch.cat([seg_lse.t().reshape(n, S, L, G), own_lse.t().reshape(n, 1, L, G)], 1)
+    lse = torch.where(torch.isfinite(lse), lse, float("-inf"))             # a segment with no key weighs nothing
+    weight = torch.exp(lse - lse.amax(1, keepdim=True))                   # the own segment is never empty: finite max
+    outs = torch.where(weight[..., None] > 0, outs, 0.0)
+    return (weight[..., None] * outs).sum(1) / weight.sum(1)[..., None]
 
 
 def flash_path(q, k) -> bool:
