@@ -1,4 +1,4 @@
-"""Issue 8 benchmark: whole-model decode TPOT, side by side in one run (random weights; timing needs none).
+"""Whole-model decode TPOT, side by side in one run (random weights; timing needs none).
 
     python benchmarks/e2e.py --model llama8b --batch 1 --out $OUT            # on the GPU machine
     python benchmarks/e2e.py --dry-run --out /tmp/e2e                       # tiny Llama on the CPU: the logic only
@@ -29,7 +29,7 @@ Rows (--rows, comma list; each row is timed at every context):
               (R x its mean TPOT), the same share from the re-encoding steps alone. With --warmup R and --steps a
               multiple of R every timed window holds exactly steps / R re-encodes
   h12_<b>_heat<N>, h12_<b>_qs<N>, h12_<b>_qall (and h25_)
-              the hybrid row with issue 7's cross-step state (its own compile): heat<N> = LycheeConfig(heat_blocks=N,
+              the hybrid row with the cross-step cache state (its own compile): heat<N> = LycheeConfig(heat_blocks=N,
               heat_decay=0.9); qs<N> = quest="sparse", quest_blocks=N (sparse heads add their own top N blocks by the
               min/max bound); qall = quest="all" (the Quest baseline: every head selects its own blocks, the head
               map is unused). Their floors add the state's bytes (heat: read + write fp32 per block and KV head;
@@ -1198,7 +1198,7 @@ def find(rows, **kw):
 
 
 def targets(results) -> list[dict]:
-    """Issue 8's targets (H100) next to what this run measured; None where the run has no such row."""
+    """The project's speed targets (H100) next to what this run measured; None where the run has no such row."""
     models = [r["model"] for r in results["rows"]]
     model = "llama8b" if "llama8b" in models else (models[0] if models else None)
     rows, out = [r for r in results["rows"] if r["model"] == model], []

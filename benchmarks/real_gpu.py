@@ -1,5 +1,5 @@
-"""The REAL SmolLM2-135M-Instruct on the GPU: measurements for issues 2 (long run), 6 (quality harness), 7 (cache
-evolution: heat, Quest-sparse, rectification) and 5 (head training), one stage each (benchmarks/real_gpu_stages/).
+"""The REAL SmolLM2-135M-Instruct on the GPU: the long run, the quality harness, cache evolution
+(heat, Quest-sparse, rectification) and head training, one stage each (benchmarks/real_gpu_stages/).
 
     python benchmarks/real_gpu.py --stages long,eval,evolve,train --out DIR/real_gpu.json [--max-seconds 540]
 
@@ -48,14 +48,14 @@ def parse(argv=None):
     ap.add_argument("--backend", default="inductor" if cuda else "eager",
                     help="LycheeConfig.backend of the long run and of rectification (timed paths)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    g = ap.add_argument_group("long (issue 2)")
+    g = ap.add_argument_group("long")
     g.add_argument("--steps", type=int, default=2000, help="decode steps per generate() call")
     g.add_argument("--long-calls", type=int, default=2, help="identical generate() calls (>= 2: the state check)")
     g.add_argument("--long-context", type=int, default=2000, help="prompt tokens (real-text passkey prompt)")
     g.add_argument("--long-budget", type=int, default=1024)
     g.add_argument("--long-dtype", default="bfloat16" if cuda else "float32",
                    help="dtype of the long run and rectification timing (our Triton kernels: bf16/fp16 only)")
-    g = ap.add_argument_group("eval (issue 6) and the quality parts of evolve/train")
+    g = ap.add_argument_group("eval (the quality harness) and the quality parts of evolve/train")
     g.add_argument("--eval-parts", default="passkey2k,passkey4k,repeat2k,ppl2k")
     g.add_argument("--methods", type=lambda s: [m for m in s.split(",") if m],
                    default="dense,lychee,quest,tidal,streamingllm,duo,random")
@@ -78,7 +78,7 @@ def parse(argv=None):
                         "fp32, kernels = its bf16 copy through Inductor, the Triton kernels; both = paired rows and "
                         "their difference); --eval-backend is then the reference rows' backend. Default: "
                         "--eval-dtype / --eval-backend as given")
-    g = ap.add_argument_group("evolve (issue 7)")
+    g = ap.add_argument_group("evolve (cache evolution)")
     g.add_argument("--evolve-parts", default="heat,rectify",
                    help="heat: heat / Quest-sparse with vs without (repeat, ppl); rectify: rectification on vs off")
     g.add_argument("--evolve-budgets", type=_ints, default="256,512")
@@ -96,7 +96,7 @@ def parse(argv=None):
     g.add_argument("--evolve-rect-budget", type=int, default=256)
     g.add_argument("--evolve-new", type=int, default=1024)
     g.add_argument("--evolve-context", type=int, default=2048)
-    g = ap.add_argument_group("train (issue 5)")
+    g = ap.add_argument_group("train (head training)")
     g.add_argument("--train-steps", type=int, default=300)
     g.add_argument("--train-chunk", type=int, default=100, help="steps per train-heads invocation")
     g.add_argument("--train-heads", type=int, default=16)

@@ -1,4 +1,4 @@
-"""Stage `eval` (issue 6): the existing harness (lychee_compile/eval) on the GPU with many prompts.
+"""Stage `eval`: the quality harness (lychee_compile/eval) on the GPU with many prompts.
 
 Parts (--eval-parts): passkey2k (>= 100 prompts), passkey4k (as many as fit), repeat2k, ppl2k; methods x budgets from
 --methods / --budgets (passkey4k adds --budgets-4k); the policy methods (lychee-topp, lychee-threshold, lychee-ratio)
