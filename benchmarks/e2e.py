@@ -98,6 +98,11 @@ MODELS = {
     "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
                     tie_word_embeddings=False),
+    # Llama-3-70B geometry (random weights; tensor-parallel runs: benchmarks/tp_decode.py --model llama70b):
+    # 80 layers, 64 q / 8 KV heads, d=128
+    "llama70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                     num_attention_heads=64, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                     tie_word_embeddings=False),
     # SmolLM2-135M geometry: 30 layers, 9 q / 3 KV heads, d=64, tied embeddings
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
