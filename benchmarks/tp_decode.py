@@ -115,6 +115,9 @@ def parse_args(argv=None):
     ap.add_argument("--warm-cache", action="store_true",
                     help="keep TORCHINDUCTOR_CACHE_DIR/TRITON_CACHE_DIR as set (default: fresh ones, cold compile)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lychee", action="append", default=[], metavar="KEY=JSON",
+                    help="LycheeConfig field for every lychee row, e.g. --lychee defer_selection=false (as e2e.py)")
+    ap.add_argument("--kernels", default="", metavar="FIELD=VALUE,...", help="KernelOptions (as e2e.py)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     if args.device is None:
