@@ -4,6 +4,8 @@ Passkey means nothing on random weights, so the target is KL(dense || lychee) pe
 character tokenizer over the shipped haystack). The test asserts what a run must do, not the numbers it finds: at
 least one visited point misses, the chosen point reads fewer KV bytes than dense and meets the target on its
 held-out prompts, every evaluation went through the rewritten decode graph, and a rerun reuses every finished piece.
+The escalation test pins a target between two measured numbers of the tiny model (asserted on the way, so a drift
+shows as such): a point that passes the search and fails certification, and the next one that certifies.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from lychee_compile.calibrate import calibrate
 from lychee_compile.calibrate.batch_scoring import batch_prefill, batch_steps
 from lychee_compile.calibrate.head_scores import top_heads
 from lychee_compile.calibrate.kv_bytes import bytes_per_step
-from lychee_compile.calibrate.search import cheapest, walk
+from lychee_compile.calibrate.search import cheapest, next_candidate, walk
 from lychee_compile.calibrate.target import QualityTarget
 from lychee_compile.config import LycheeConfig
 from lychee_compile.eval.methods import method_spec
@@ -26,9 +28,9 @@ from tests.models import make
 from tests.test_eval_harness import CFG, CharTokenizer, _given
 
 TINY = dict(lengths=[320], block_size=4, sink_tokens=4, local_tokens=8, budgets=[16, 64], head_counts=[0, 2, 4],
-            search_prompts=3, certify_prompts=4, min_prompts=300, score_tokens=6, score_samples=2, progress=False,
-            log=lambda s: None)
-TARGET = "kl=0.0004nat"     # between what budget 16 and budget 64 lose with no retrieval heads beyond layer 0
+            search_prompts=3, search_margin=0.5, certify_prompts=4, min_prompts=300, score_tokens=6, score_samples=2,
+            progress=False, log=lambda s: None)
+TARGET = "kl=0.0004nat"     # searched at 2e-4 (margin 0.5): between what 2 and 0 heads beyond layer 0 lose at budget 64
 
 
 class Tok(CharTokenizer):
@@ -79,9 +81,64 @@ def test_calibrate_end_to_end_and_resume(tmp_path):
     assert HeadMap.load(again.paths["head_map"]).calibration["quality"] == rec["quality"]
     log = [json.loads(line) for line in open(r.paths["certify_log"])]
     assert len(log) == 2 and log[1]["quality"]["kl"]["resumed_prompts"] == 4
+    assert len(r.attempts) == 1, "too few prompts is no miss: no second attempt"
 
     with pytest.raises(ValueError, match="other settings"):
         calibrate(make("llama"), Tok(), "kl=0.001nat", out, **TINY)
+
+
+# 0 heads / budget 64 scores KL 2.39e-4 on the search prompts and 2.63e-4 on held-out seed 66; 2 heads / budget 64
+# 1.05e-4 and 1.16e-4 [0.99e-4, 1.26e-4] (measured on the tiny llama): 2.5e-4 lies between.
+ESCALATE = dict(TINY, search_margin=0.0, min_prompts=4, certify_seed=66)
+
+
+def test_failed_certification_escalates_logs_and_resumes(tmp_path, monkeypatch):
+    import lychee_compile.calibrate.certify as certify_mod
+    batches = []                          # variants decoded per held-out batch: dense + lychee, or lychee alone
+    real = certify_mod.score_batches
+    monkeypatch.setattr(certify_mod, "score_batches", lambda base, variants, *a, **k:
+                        batches.append(len(variants)) or real(base, variants, *a, **k))
+    out, target = str(tmp_path / "calib"), "kl=0.00025nat,repeat=1000%"
+    capped = calibrate(make("llama"), Tok(), target, out, **dict(ESCALATE, certify_attempts=1))
+    (first, c1), = capped.attempts
+    assert (first["heads"], first["budget"]) == (0, 64) and first["passes"]
+    assert first["quality"]["kl"]["value"] <= 0.00025 < c1["quality"]["kl"]["value"], "numbers drifted"
+    assert capped.status == c1["status"] == "failed" and capped.chosen == first
+    assert HeadMap.load(capped.paths["head_map"]).calibration["status"] == "failed"
+    assert batches == [2] * 8, "the first attempt decodes dense and lychee (4 kl prompts, then 4 repeat, batch 1)"
+
+    batches.clear()
+    r = calibrate(make("llama"), Tok(), target, out, **ESCALATE)      # same folder, the cap raised: attempt 2
+    assert [(p["heads"], p["budget"], c["status"]) for p, c in r.attempts] == [(0, 64, "failed"), (2, 64, "certified")]
+    assert r.attempts[0][1]["scored_now"] == 0 and r.attempts[1][1]["scored_now"] == 8     # attempt 1 resumed
+    assert batches == [2] * 4 + [1] * 4, "kl needs the dense distributions again; repeat reuses the dense records"
+    assert r.status == "certified" and r.chosen == r.attempts[1][0] and r.certification is r.attempts[1][1]
+    rec = HeadMap.load(r.paths["head_map"]).calibration
+    assert rec["recommended_budget"] == 64 and rec["retrieval_heads"] == 2
+    assert [a["status"] for a in rec["certify_attempts"]] == ["failed", "certified"]
+    log = [json.loads(line) for line in open(r.paths["certify_log"])]
+    assert [(e["point"]["heads"], e["status"]) for e in log] == [(0, "failed"), (0, "failed"), (2, "certified")]
+    report = open(r.paths["report"]).read()
+    assert "| 1 | 0 | 64 |" in report and "| 2 | 2 | 64 |" in report and "written for attempt 2" in report
+
+    batches.clear()
+    again = calibrate(make("llama"), Tok(), target, out, **ESCALATE)  # everything reused
+    assert again.certify_scorings == 0 and batches == [] and again.chosen == r.chosen
+
+
+def test_next_candidate_skips_points_below_a_rejected_one():
+    pts = [dict(heads=n, budget=b, bytes=10 * n + b, passes=ok)
+           for n, b, ok in ((4, 1, True), (2, 1, False), (2, 2, True), (1, 2, True), (0, 2, False))]
+
+    def cost(n, b):
+        return 10 * n + b
+    args = ([0, 1, 2, 4], [1, 2, 3], cost)
+    assert next_candidate(pts, [], *args) == (1, 2)                    # = cheapest()
+    assert next_candidate(pts, [pts[3]], *args) == (1, 3)              # unsearched, budget up: 13 < 22
+    assert next_candidate(pts, [pts[3], dict(heads=1, budget=3)], *args) == (2, 2)
+    # (2, 2) rejected too: (4, 1) is not below it; (2, 3) is a neighbour at 23 < 41
+    assert next_candidate(pts, [pts[3], dict(heads=1, budget=3), pts[2]], *args) == (2, 3)
+    assert next_candidate(pts, [dict(heads=4, budget=3)], *args) is None
 
 
 def test_walk_follows_the_staircase_and_picks_the_cheapest():
@@ -101,9 +158,11 @@ def test_targets_parse_and_bound():
     t = QualityTarget.parse("passkey=1pt,ppl=2%,kl=0.01nat")
     assert [str(m) for m in t.metrics] == ["passkey=1pt", "ppl=2%", "kl=0.01nat"]
     assert t.tasks == ["passkey", "ppl"] and t.needs_kl("ppl") and not t.needs_kl("passkey")
-    pk = t.metrics[0]
+    pk, ppl = t.metrics[0], t.metrics[1]
     row = dict(acc_diff_vs_ref=-0.005, acc_diff_ci=(-0.02, 0.0))
-    assert pk.meets(row) and not pk.meets(row, interval=True)
+    assert pk.meets(row) and not pk.meets(row, interval=True) and not pk.meets(row, margin=0.6)
+    assert ppl.meets(dict(ppl_ratio_vs_ref=1.009), margin=0.5)
+    assert not ppl.meets(dict(ppl_ratio_vs_ref=1.011), margin=0.5)
     for bad in ("passkey=1%", "ppl=2", "foo=1pt", "ppl=2%,ppl=3%", "", "kl=-1nat"):
         with pytest.raises(ValueError):
             QualityTarget.parse(bad)
@@ -147,4 +206,5 @@ def test_cli_registers_calibrate():
     args = build_parser().parse_args(["calibrate", "--target", "kl=0.01nat", "--context", "1024,2048",
                                       "--batch-size", "8", "--device", "cuda"])
     assert args.func.__module__ == "lychee_compile.calibrate.cli" and args.batch_size == 8
-    assert build_parser().parse_args(["calibrate"]).target == "passkey=1pt,ppl=2%"
+    default = build_parser().parse_args(["calibrate"])
+    assert default.target == "passkey=1pt,ppl=2%" and default.search_margin == 0.5 and default.certify_attempts == 4

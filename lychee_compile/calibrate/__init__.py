@@ -5,10 +5,12 @@ confirm it on held-out prompts. docs/calibrate.md is the user's page.
     prompts.py        search / held-out prompt sets over the calibration text (eval/tasks.py builders), digest
     head_scores.py    head ordering: retrieval score or HardKuma (lychee_compile/training), top-n map
     kv_bytes.py       KV (+ Quest descriptor) bytes a decode step reads: the cost the search minimizes
-    search.py         the staircase walk over head count x budget and the cheapest passing point
+    search.py         the staircase walk over head count x budget, the cheapest passing point, the next candidate
+                      to certify after a rejection
     evaluate.py       one point on the search prompts vs dense (eval/scoring.py, eval/runner.summarize)
     batch_scoring.py  batched teacher-forced scoring for certification on the GPU
-    certify.py        held-out confirmation with paired 95% intervals; certified / unconfirmed / failed
+    certify.py        held-out confirmation with paired 95% intervals; certified / unconfirmed / failed; the dense
+                      held-out records shared by every attempt
     session.py        one run's state: prompt banks, a compiled variant per budget, the resume store
     store.py          state.json: resumable pieces under the run's settings
     record.py         the calibration record in the HeadMap's metadata

@@ -1,5 +1,6 @@
-"""calibrate(): search the cheapest head map x budget that meets a quality target, certify it on held-out prompts,
-write the calibrated map, the frontier plot and a report. The `lychee calibrate` command calls it.
+"""calibrate(): search the cheapest head map x budget that meets a quality target, certify it on held-out prompts
+(and, while an attempt misses, the next candidate: search.next_candidate, at most `certify_attempts`), write the
+calibrated map, the frontier plot and a report. The `lychee calibrate` command calls it.
 
     result = calibrate(model, tokenizer, "passkey=1pt,ppl=2%", out_dir="calib", lengths=[2048])
     result.head_map.recommended_budget, result.status, result.paths
@@ -16,7 +17,7 @@ import time
 
 from .head_scores import beyond_first, score_heads, top_heads
 from .prompts import CERTIFY_SEED, SEARCH_SEED, check_disjoint, digest, prompt_set
-from .search import cheapest, walk
+from .search import cheapest, next_candidate, walk
 from .store import Store
 from .target import QualityTarget
 
@@ -29,8 +30,9 @@ class Calibration:
     status: str                     # certified | unconfirmed | failed | no point met the target
     head_map: object | None         # the calibrated HeadMap (None if no point met the target)
     points: list[dict]              # every visited point, in walk order
-    chosen: dict | None
-    certification: dict | None
+    chosen: dict | None             # the point the map was written for: the first certified attempt, else see final()
+    certification: dict | None      # the chosen point's certification
+    attempts: list[tuple[dict, dict]]   # every certification attempt: (point, certification), in order
     paths: dict
     points_evaluated: int           # points scored in this run (the rest came from state.json)
     scorings: int                   # search: (variant, prompt) scorings this run, dense reference included
@@ -51,12 +53,13 @@ def _settings(model, target, kw) -> dict:
     return dict(model=config_fingerprint(model.config), dtype=str(model.dtype), target=str(target),
                 **{k: v for k, v in kw.items() if k not in ("progress", "log", "certify", "certify_backend",
                                                             "batch_size", "certify_prompts", "certify_seed",
-                                                            "min_prompts")})
+                                                            "min_prompts", "search_margin")})
 
 
 def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str = "calibration", *,
               lengths=(2048,), text: str = "persuasion", scorer: str = "retrieval-score", head_scores=None,
-              head_counts=None, budgets=None, search_prompts: int = 5, certify_prompts: int = 300,
+              head_counts=None, budgets=None, search_prompts: int = 10, search_margin: float = 0.5,
+              certify_prompts: int = 300, certify_attempts: int = 4,
               min_prompts: int = 300, score_tokens: int = 16, block_size: int = 16, sink_tokens: int = 16,
               local_tokens: int = 64, backend: str = "eager", certify: bool = True, certify_backend: str | None = None,
               batch_size: int = 1, score_samples: int = 8, hardkuma_steps: int = 40, search_seed: int = SEARCH_SEED,
@@ -78,10 +81,14 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
         backend = NUMERICS[numerics].backend or backend
         certify_backend = NUMERICS[numerics].backend or certify_backend
     kw = dict(lengths=list(lengths), text=text, scorer=scorer if head_scores is None else "given", head_counts=head_counts,
-              budgets=budgets, search_prompts=search_prompts, score_tokens=score_tokens, block_size=block_size,
-              sink_tokens=sink_tokens, local_tokens=local_tokens, backend=backend, score_samples=score_samples,
+              budgets=budgets, search_prompts=search_prompts, search_margin=search_margin, score_tokens=score_tokens,
+              block_size=block_size, sink_tokens=sink_tokens, local_tokens=local_tokens, backend=backend,
+              score_samples=score_samples,
               hardkuma_steps=hardkuma_steps, search_seed=search_seed, chat_template=chat_template,
               **({} if numerics is None else dict(numerics=numerics)))    # absent: older state.json files resume
+    if not 0.0 <= search_margin < 1.0 or certify_attempts < 1:
+        raise ValueError(f"search_margin must be in [0, 1) (got {search_margin}) and certify_attempts >= 1 (got "
+                         f"{certify_attempts})")
     if certify and certify_seed == search_seed:
         raise ValueError("certify_seed must differ from search_seed: held-out prompts come from unused seeds")
     with dynamo_limits():     # Dynamo's recompile limits raised for the run's many variants (scoped)
@@ -90,26 +97,61 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
         t0 = time.perf_counter()
         scores = s.head_scores(head_scores)
         room = beyond_first(s.global_layers(), scores.shape[1])
-        points = walk(head_counts or default_heads(room), budgets, lambda n, b: s.evaluate_point(scores, n, b))
+        heads = head_counts or default_heads(room)
+        points = walk(heads, budgets, lambda n, b: s.evaluate_point(scores, n, b))
         search_s = time.perf_counter() - t0
         best = cheapest(points)
         log(f"search: {len(points)} points visited ({s.points_evaluated} evaluated now, the rest resumed), "
             f"{search_s:.0f} s; chosen: {_describe(best)}")
-        cert, held_out = None, {}
+        attempts, held_out = [], {}
         if best is not None and certify:
-            t1 = time.perf_counter()
             held_out = {task: prompt_set(tokenizer, task, list(lengths), certify_prompts, certify_seed, text,
                                          score_tokens, chat_template) for task in tgt.tasks}
             for task in tgt.tasks:
                 check_disjoint(s.search_items(task), held_out[task])
-            cert = s.certify(scores, best, held_out, min_prompts, batch_size, certify_backend, certify_seed)
-            cert["wall_s"] = round(time.perf_counter() - t1, 1)
-            log(f"certify: {cert['status']} ({'; '.join(cert['reasons']) or 'every interval within the target'})")
+            attempts = _certify_until(s, scores, points, heads, budgets, held_out, min_prompts, batch_size,
+                                      certify_backend, certify_seed, certify_attempts, log)
+        chosen, cert = final(attempts) if attempts else (best, None)
         from .outputs import write_outputs
         data = digest(text, *(s.search_items(t) for t in tgt.tasks), *held_out.values())
-        status, hm, paths = write_outputs(s, scores, points, best, cert, search_s, data, out_dir)
-        return Calibration(status, hm, points, best, cert, paths, s.points_evaluated, s.scorings,
-                           cert["scored_now"] if cert else 0)
+        status, hm, paths = write_outputs(s, scores, points, chosen, cert, attempts, search_s, data, out_dir)
+        return Calibration(status, hm, points, chosen, cert, attempts, paths, s.points_evaluated, s.scorings,
+                           sum(c["scored_now"] for _, c in attempts))
+
+
+def _certify_until(s, scores, points, heads, budgets, held_out, min_prompts, batch_size, backend, seed, cap,
+                   log) -> list[tuple[dict, dict]]:
+    """Certify the cheapest candidate (search.next_candidate); while an attempt misses the target, the next one, at
+    most `cap` attempts. An unsearched candidate is searched first (appended to `points`) and certified only if it
+    passes the search. Returns [(point, certification)] in attempt order."""
+    attempts = []
+    while len(attempts) < cap:
+        hb = next_candidate(points, [p for p, _ in attempts], heads, budgets,
+                            lambda n, b: s.kv_bytes(s.head_map(scores, n).retrieval, b))
+        if hb is None:
+            break
+        point = next((p for p in points if (p["heads"], p["budget"]) == hb), None)
+        if point is None:
+            point = s.evaluate_point(scores, *hb)
+            points.append(point)
+            if not point["passes"]:
+                continue
+        t1 = time.perf_counter()
+        cert = s.certify(scores, point, held_out, min_prompts, batch_size, backend, seed)
+        cert["wall_s"] = round(time.perf_counter() - t1, 1)
+        attempts.append((point, cert))
+        log(f"certify {len(attempts)}/{cap}: {_describe(point)}: {cert['status']} "
+            f"({'; '.join(cert['reasons']) or 'every interval within the target'})")
+        if not cert["misses"]:
+            break
+    return attempts
+
+
+def final(attempts: list[tuple[dict, dict]]) -> tuple[dict, dict]:
+    """The certified attempt (escalation stops at it); else the last unconfirmed one, else the last failed one: the
+    last has the most heads or budget, the closest to the target if quality grows with both."""
+    rank = {"certified": 0, "unconfirmed": 1, "failed": 2}
+    return min(reversed(attempts), key=lambda a: rank[a[1]["status"]])
 
 
 def _describe(p) -> str:

@@ -6,9 +6,12 @@
 
 Search: heads ordered by --scorer (retrieval-score, or hardkuma), a staircase walk over --heads x --budgets on
 --search-prompts prompts per context length and task (seed --search-seed), the point with the fewest KV bytes per
-decode step that meets the target. Certify: that point on --certify-prompts held-out prompts (seed --certify-seed)
-with paired 95% intervals; "certified" needs every interval within the target and >= --min-prompts prompts, else
-the map is written "unconfirmed" (or "failed") with its intervals. On a CUDA --device the certification runs the
+decode step whose point estimates are within the target less --search-margin. Certify: that point on
+--certify-prompts held-out prompts (seed --certify-seed) with paired 95% intervals; "certified" needs every interval
+within the target and >= --min-prompts prompts. While an attempt misses the target, the next candidate is certified
+(the next cheapest passing point not below a rejected one, or an unsearched neighbour with one head count or one
+budget more), at most --certify-attempts; if none certifies, the map is written "unconfirmed" (or "failed") with
+every attempt's intervals. On a CUDA --device the certification runs the
 Inductor (GPU kernel) backend, --batch-size prompts per step; load the model in --dtype bfloat16 for the Triton
 kernels. --numerics kernels does all of that for both phases (eval/numerics.py: a bf16 copy on CUDA, Inductor, CUDA
 graphs) and refuses any number whose rewritten sites did not all run the Triton kernels; --numerics reference: fp32
@@ -46,14 +49,18 @@ def add_parser(sub) -> None:
                    "layer (default 0,2,4,8,16,24,32,48 up to what the model has)")
     p.add_argument("--budgets", default=None, help="comma-separated budgets in tokens (default 64..4096 powers of "
                    "two, >= sink + local, below the longest context)")
-    p.add_argument("--search-prompts", type=int, default=5, help="search prompts per context length and task "
-                   "(default 5)")
+    p.add_argument("--search-prompts", type=int, default=10, help="search prompts per context length and task "
+                   "(default 10)")
+    p.add_argument("--search-margin", type=float, default=0.5, help="a point passes the search when every point "
+                   "estimate is within the bound less this fraction of it (default 0.5: ppl=2%% searches at 1%%)")
     p.add_argument("--score-tokens", type=int, default=16, help="ppl / repeat / kl: tokens scored per prompt "
                    "(default 16)")
     p.add_argument("--certify-prompts", type=int, default=300, help="held-out prompts per context length and task "
                    "(default 300)")
     p.add_argument("--min-prompts", type=int, default=300, help="held-out prompts per metric a 'certified' label "
                    "needs (default 300: a 1-point passkey claim)")
+    p.add_argument("--certify-attempts", type=int, default=4, help="points certified at most: while one misses "
+                   "the target, the next candidate is certified (default 4)")
     p.add_argument("--no-certify", action="store_true", help="search only; the map is written 'unconfirmed'")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--sink-tokens", type=int, default=16)
@@ -117,7 +124,8 @@ def run(args) -> int:
     model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
     result = calibrate(model, tok, args.target, args.out, lengths=_ints(args.context), text=args.text,
                        scorer=args.scorer, head_counts=_ints(args.heads), budgets=_ints(args.budgets),
-                       search_prompts=args.search_prompts, certify_prompts=args.certify_prompts,
+                       search_prompts=args.search_prompts, search_margin=args.search_margin,
+                       certify_prompts=args.certify_prompts, certify_attempts=args.certify_attempts,
                        min_prompts=args.min_prompts, score_tokens=args.score_tokens, block_size=args.block_size,
                        sink_tokens=args.sink_tokens, local_tokens=args.local_tokens, backend=args.backend,
                        certify=not args.no_certify, certify_backend=args.certify_backend, batch_size=args.batch_size,

@@ -5,7 +5,8 @@ Fields: status (certified | unconfirmed | failed) and reasons; target; quality p
 (value, paired 95% interval, prompt count) and on the search prompts; prompts (search and held-out counts per task,
 seeds); kv_bytes_per_step, dense_kv_bytes_per_step and bytes_per_step_vs_dense (kv_bytes.py's model);
 recommended_budget (tokens) and context_range [min, max] it was calibrated for; block_size / sink_tokens /
-local_tokens it assumes; data_digest; tool_version; torch; device; search and certify wall seconds.
+local_tokens it assumes; data_digest; tool_version; torch; device; search and certify wall seconds (every attempt);
+certify_attempts: every certification attempt in order (heads, budget, bytes_per_step_vs_dense, status, quality).
 """
 from __future__ import annotations
 
@@ -20,15 +21,18 @@ def tool_version() -> str:
         return "lychee_compile (not installed: version unknown)"
 
 
-def calibration_record(kw: dict, target, chosen: dict, cert: dict | None, dense_bytes: float, search_s: float,
-                       data_digest: str, device: str) -> dict:
+def _quality(cert: dict) -> dict:
+    return {m: dict(value=q["value"], interval=q["interval"], n=q["n"]) for m, q in cert["quality"].items()}
+
+
+def calibration_record(kw: dict, target, chosen: dict, cert: dict | None, attempts, dense_bytes: float,
+                       search_s: float, data_digest: str, device: str) -> dict:
     import torch
     status = cert["status"] if cert else "unconfirmed"
     reasons = cert["reasons"] if cert else ["not certified: the certification phase did not run"]
     return dict(
         status=status, reasons=reasons, target=str(target),
-        quality=None if cert is None else {m: dict(value=q["value"], interval=q["interval"], n=q["n"])
-                                           for m, q in cert["quality"].items()},
+        quality=None if cert is None else _quality(cert),
         search_quality=chosen["quality"],
         prompts=dict(search_per_length=kw["search_prompts"], search_seed=kw["search_seed"],
                      held_out={m: q["n"] for m, q in (cert or {}).get("quality", {}).items()},
@@ -39,7 +43,9 @@ def calibration_record(kw: dict, target, chosen: dict, cert: dict | None, dense_
         block_size=kw["block_size"], sink_tokens=kw["sink_tokens"], local_tokens=kw["local_tokens"],
         head_scorer=kw["scorer"], data_digest=data_digest, text=kw["text"], tool_version=tool_version(),
         torch=torch.__version__, device=device, search_wall_s=round(search_s, 1),
-        certify_wall_s=None if cert is None else cert["wall_s"],
+        certify_wall_s=None if cert is None else round(sum(c["wall_s"] for _, c in attempts), 1),
+        certify_attempts=[dict(heads=p["heads"], budget=p["budget"], bytes_per_step_vs_dense=p["bytes_ratio"],
+                               status=c["status"], quality=_quality(c)) for p, c in attempts],
         certify_backend=None if cert is None else cert["backend"],
         certify_batch_size=None if cert is None else cert["batch_size"])
 

@@ -1,4 +1,4 @@
-"""report.md: what was asked, every visited point, the chosen one, and what certification found."""
+"""report.md: what was asked, every visited point, every certification attempt, the chosen point."""
 from __future__ import annotations
 
 
@@ -7,14 +7,30 @@ def _q(quality: dict) -> str:
                      for m, q in quality.items())
 
 
-def render(record: dict | None, points: list[dict], kw: dict, target, status: str) -> str:
+def _attempts(attempts) -> list[str]:
+    lines = ["| attempt | retrieval heads | budget | KV bytes vs dense | held-out quality [95% paired intervals] | "
+             "verdict |", "|---|---|---|---|---|---|"]
+    lines += [f"| {k + 1} | {p['heads']} | {p['budget']} | {100 * p['bytes_ratio']:.1f}% | {_q(c['quality'])} | "
+              f"{c['status']}" + (": " + "; ".join(c["reasons"]) if c["reasons"] else "") + " |"
+              for k, (p, c) in enumerate(attempts)]
+    return lines
+
+
+def _chosen_attempt(record: dict, attempts) -> int:
+    return next(k + 1 for k, (p, _) in enumerate(attempts)
+                if (p["heads"], p["budget"]) == (record["retrieval_heads"], record["recommended_budget"]))
+
+
+def render(record: dict | None, points: list[dict], attempts, kw: dict, target, status: str) -> str:
     lines = [f"# Calibration: {status}", "",
              f"Target {target} (passkey: accuracy points vs dense; ppl / repeat: % perplexity above dense), contexts "
              f"{kw['lengths']}, {kw['search_prompts']} search prompts per length and task (seed {kw['search_seed']}), "
              f"heads ordered by {kw['scorer']}, block {kw['block_size']}, sink {kw['sink_tokens']}, local "
              f"{kw['local_tokens']}.", "",
              "## Search (point estimates on the search prompts; [95% paired intervals])", "",
-             "| retrieval heads | budget | KV bytes vs dense | quality | meets |", "|---|---|---|---|---|"]
+             f"A point passes the search when every point estimate is within the bound less "
+             f"{100 * kw['search_margin']:g}% of it (--search-margin).", "",
+             "| retrieval heads | budget | KV bytes vs dense | quality | passes |", "|---|---|---|---|---|"]
     lines += [f"| {p['heads']} | {p['budget']} | {100 * p['bytes_ratio']:.1f}% | {_q(p['quality'])} | "
               f"{'yes' if p['passes'] else 'no'} |" for p in points]
     if record is None:
@@ -29,8 +45,10 @@ def render(record: dict | None, points: list[dict], kw: dict, target, status: st
     if record["quality"] is None:
         lines.append("Not run.")
     else:
-        lines.append(f"{_q(record['quality'])}; backend {record['certify_backend']}, batch "
-                     f"{record['certify_batch_size']}, device {record['device']}, seed {record['prompts']['certify_seed']}.")
+        lines += _attempts(attempts) + ["", f"Backend {record['certify_backend']}, batch "
+                                            f"{record['certify_batch_size']}, device {record['device']}, seed "
+                                            f"{record['prompts']['certify_seed']}; the map is written for attempt "
+                                            f"{_chosen_attempt(record, attempts)}."]
     lines += ["", f"Status **{record['status']}**" + (": " + "; ".join(record["reasons"]) if record["reasons"] else ""),
               "", f"Search {record['search_wall_s']} s, certification {record['certify_wall_s']} s; data digest "
               f"{record['data_digest']}; {record['tool_version']}, torch {record['torch']}."]

@@ -21,7 +21,8 @@ class Session:
     def __init__(self, model, tokenizer, target, store, kw: dict, progress: bool, log):
         self.model, self.tokenizer, self.target, self.store, self.kw, self.log = model, tokenizer, target, store, kw, log
         self.progress = progress
-        self._items, self._banks, self._variants, self._dense = {}, {}, {}, {}
+        self._items, self._banks, self._variants = {}, {}, {}
+        self._dense = None          # the dense Variant certification scores, built once for every attempt
         self._global_layers = store.get("global_layers")
         self.points_evaluated = 0
         self._bar = None
@@ -120,12 +121,12 @@ class Session:
     def evaluate_point(self, scores, heads: int, budget: int) -> dict:
         key = f"point/h{heads}-b{budget}"
         if self.store.get(key) is not None:
-            return self.store.get(key)
+            return self.judged(self.store.get(key))
         from ..api import set_head_map
         hm = self.head_map(scores, heads)
         dense_bytes = self.kv_bytes(None, None)
         rec = dict(heads=heads, budget=budget, retrieval_heads_total=int(hm.retrieval.sum()),
-                   bytes=self.kv_bytes(hm.retrieval, budget), quality={}, counters={}, passes=True)
+                   bytes=self.kv_bytes(hm.retrieval, budget), quality={}, counters={})
         rec["bytes_ratio"] = rec["bytes"] / dense_bytes
         v = self.variant(budget)
         set_head_map(v.model, hm)
@@ -138,14 +139,21 @@ class Session:
             rec["counters"][task] = counters_of(v, before)
             for metric in self.target.of_task(task):
                 rec["quality"][metric.name] = dict(value=metric.value(row), interval=metric.interval(row), n=row["n"])
-                rec["passes"] &= metric.meets(row)
         self.points_evaluated += 1
         rec = json.loads(json.dumps(rec))        # as the store gives it back on resume (tuples -> lists)
         self.store.put(key, rec)
+        rec = self.judged(rec)
         self.log(f"  {heads:3d} heads, budget {budget:5d}: {100 * rec['bytes_ratio']:5.1f}% of dense bytes, "
                  + ", ".join(f"{m} {q['value']:+.3g}" for m, q in rec["quality"].items())
-                 + (" -> meets the target" if rec["passes"] else " -> misses"))
+                 + (" -> passes the search" if rec["passes"] else " -> misses"))
         return rec
+
+    def judged(self, rec: dict) -> dict:
+        """The point with `passes` by the search rule: every point estimate within the bound less the margin
+        (judged anew on resume, so a rerun with another --search-margin reuses the scored points)."""
+        m = self.kw["search_margin"]
+        return dict(rec, passes=all(metric.within(rec["quality"][metric.name]["value"], m)
+                                    for metric in self.target.metrics))
 
     def certify(self, scores, best: dict, held_out: dict, min_prompts: int, batch_size: int,
                 certify_backend: str | None, certify_seed: int) -> dict:
@@ -165,17 +173,20 @@ class Session:
                     set_head_map(lychee.model, hm)
                 else:
                     lychee = self.variant(best["budget"], backend, head_map=hm)
-                built.append((Variant.build(self.model, method_spec("dense", self.model, 1), self.numerics), lychee))
+                if self._dense is None:
+                    self._dense = Variant.build(self.model, method_spec("dense", self.model, 1), self.numerics)
+                built.append((self._dense, lychee))
             return built[0]
-        key = "certify/" + json.dumps(dict(heads=best["heads"], budget=best["budget"], seed=certify_seed,
-                                           n={t: len(i) for t, i in held_out.items()}, backend=backend,
-                                           batch=batch_size, device=self.model.device.type), sort_keys=True)
+        held = dict(seed=certify_seed, n={t: len(i) for t, i in held_out.items()}, batch=batch_size,
+                    device=self.model.device.type)
+        key = "certify/" + json.dumps(dict(held, heads=best["heads"], budget=best["budget"], backend=backend),
+                                      sort_keys=True)
         pad = self.tokenizer.pad_token_id if getattr(self.tokenizer, "pad_token_id", None) is not None else 0
         from tqdm.auto import tqdm
         bar = tqdm(total=sum(len(i) for i in held_out.values()), desc="certify", unit="prompt",
                    disable=not self.progress, dynamic_ncols=True)
-        out = certify(self.model, variants, held_out, self.target, min_prompts,
-                      batch_size, self.store, key, pad, bar.update)
+        out = certify(self.model, variants, held_out, self.target, min_prompts, batch_size, self.store, key,
+                      "certify-dense/" + json.dumps(held, sort_keys=True), pad, bar.update)
         bar.close()
         out.update(backend=backend, batch_size=batch_size, device=str(self.model.device), seed=certify_seed,
                    attempt=key, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

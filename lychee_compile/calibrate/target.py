@@ -10,7 +10,9 @@ Metrics and the task each is measured on (eval/tasks.py):
     repeat=X%     the same on the repeat test (task "repeat": the second copy of a segment; the sharp one)
     kl=Xnat       mean KL(dense || lychee) of the next-token distributions, nats per scored token, on the "ppl"
                   prompts (the sensitive one: it sees every change of the distribution, not only the target's)
-Search compares point estimates with the bound; certification compares the paired 95% interval's far end.
+Search compares point estimates with the bound less a safety margin (a fraction of the bound: on a handful of
+prompts a point just inside the bound is as likely just outside it); certification compares the paired 95%
+interval's far end with the bound itself.
 """
 from __future__ import annotations
 
@@ -47,13 +49,16 @@ class Metric:
         lo, hi = row["ppl_ratio_ci"]
         return 100.0 * (lo - 1.0), 100.0 * (hi - 1.0)
 
-    def meets(self, row: dict, interval: bool = False) -> bool:
-        """Point estimate (search) or the interval's worse end (certify) within the bound."""
-        if self.name == "passkey":
-            worst = self.interval(row)[0] if interval else self.value(row)
-            return worst >= -self.bound
-        worst = self.interval(row)[1] if interval else self.value(row)
-        return worst <= self.bound
+    def meets(self, row: dict, interval: bool = False, margin: float = 0.0) -> bool:
+        """Point estimate (search) or the interval's worse end (certify) within the bound less `margin` x bound."""
+        if interval:
+            return self.within(self.interval(row)[0 if self.name == "passkey" else 1])
+        return self.within(self.value(row), margin)
+
+    def within(self, x: float, margin: float = 0.0) -> bool:
+        """x (a value or an interval's worse end) within (1 - margin) x the bound."""
+        limit = self.bound * (1.0 - margin)
+        return x >= -limit if self.name == "passkey" else x <= limit
 
     def __str__(self) -> str:
         return f"{self.name}={self.bound:g}{self.unit}"
