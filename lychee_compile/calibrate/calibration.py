@@ -148,8 +148,9 @@ def _certify_until(s, scores, points, heads, budgets, held_out, min_prompts, bat
 
 
 def final(attempts: list[tuple[dict, dict]]) -> tuple[dict, dict]:
-    """The certified attempt (escalation stops at it); else the last unconfirmed one, else the last failed one: the
-    last has the most heads or budget, the closest to the target if quality grows with both."""
+    """The certified attempt (escalation stops at it); else the last unconfirmed one, else the last failed one. The
+    last attempt is the latest candidate, not necessarily the best measured one: a passing search point with fewer
+    heads may follow a rejected point's neighbour (next_candidate orders by bytes)."""
     rank = {"certified": 0, "unconfirmed": 1, "failed": 2}
     return min(reversed(attempts), key=lambda a: rank[a[1]["status"]])
 

@@ -114,7 +114,9 @@ def _segmented(rows, k_flat, v_flat, base, start, end, T: int, scale: float, att
                               _closed(base + end - L), torch.full_like(end, L), L, L, True, scale)
     outs = torch.cat([seg_out.view(n, S, L, G, D), own_out.view(n, 1, L, G, D)], 1).float()
     lse = torch.cat([seg_lse.t().reshape(n, S, L, G), own_lse.t().reshape(n, 1, L, G)], 1)
-    lse = torch.where(torch.isfinite(lse), lse, float("-inf"))             # a segment with no key weighs nothing
+    keys = torch.cat([count, torch.full_like(end[:, None], L)], 1)          # [n, S + 1] keys of each segment
+    # a segment with no key weighs nothing, whatever log-sum-exp the kernel wrote for it (FlashAttention-2: +inf)
+    lse = torch.where((keys > 0)[:, :, None, None] & torch.isfinite(lse), lse, float("-inf"))
     weight = torch.exp(lse - lse.amax(1, keepdim=True))                   # the own segment is never empty: finite max
     outs = torch.where(weight[..., None] > 0, outs, 0.0)
     return (weight[..., None] * outs).sum(1) / weight.sum(1)[..., None]
