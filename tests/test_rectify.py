@@ -154,6 +154,28 @@ def test_one_token_reencode_is_refused_in_strict_mode_and_runs_eagerly_otherwise
         assert torch.allclose(cache.layers[layer].keys[:, :, span], ref.layers[layer].keys[:, :, span], atol=1e-4)
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_reencode_graph_missing_a_layers_site_is_refused_or_left_whole(strict, caplog):
+    """A re-encode graph whose attention was recognized in fewer layers than the model has is not rewritten in part:
+    strict raises, non-strict logs and leaves every site as the model computes it (counted)."""
+    from types import SimpleNamespace
+
+    from lychee_compile.errors import LycheeCompileError
+    from lychee_compile.passes.context import Counters
+    from lychee_compile.passes.rewrite import _rewrite_reencode
+    site = SimpleNamespace(kind="prefill", layer_idx=0, mask_kind="bool")
+    ctx = SimpleNamespace(is_decode=False, counters=Counters(), sites=[site], strict=strict,
+                          model=SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2)))
+    if strict:
+        with pytest.raises(LycheeCompileError, match="sites in 1 layers"):
+            _rewrite_reencode(ctx)
+        return
+    with caplog.at_level("WARNING", logger="lychee_compile"):
+        _rewrite_reencode(ctx)
+    assert "sites in 1 layers ([0]) but the model has 2" in caplog.text
+    assert (ctx.counters.reencode_sites_unchanged, ctx.counters.reencode_sites_dense) == (1, 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_reencode_between_cuda_graph_replays_gpu():

@@ -61,16 +61,24 @@ def rewrite_sites(ctx: PassContext) -> None:
 
 
 def _rewrite_reencode(ctx: PassContext) -> None:
-    """Every site of a re-encode graph -> dense_decode (all or none: a site without a mask, whose valid keys and
-    query positions the graph does not say, leaves the graph as the model computes it, which strict mode refuses)."""
+    """Every site of a re-encode graph -> dense_decode (all or none: a layer without a recognized site, or a site
+    without a mask, whose valid keys and query positions the graph does not say, leaves the graph as the model
+    computes it, which strict mode refuses)."""
     if ctx.is_decode:
         raise LycheeCompileError("the rectification re-encode compiled as a decode graph (query length 1), which "
                                  "would be rewritten to sparse attention; it must stay dense.")
     ctx.counters.reencode_graphs += 1
     sites = [s for s in ctx.sites if s.kind == "prefill"]
-    if any(s.mask_kind == "none" for s in sites):
+    n_layers = ctx.model.config.num_hidden_layers
+    message = None
+    if len(sites) != n_layers:      # a layer whose attention was not recognized would stay HF's masked attention
+        message = (f"the rectification re-encode has attention sites in {len(sites)} layers "
+                   f"({sorted(s.layer_idx for s in sites)}) but the model has {n_layers}: the re-encode keeps the "
+                   "model's own attention (masked over the whole cache)")
+    elif any(s.mask_kind == "none" for s in sites):
         message = ("an attention site of the rectification re-encode has no mask, so its valid keys are unknown: "
                    "the re-encode keeps the model's own attention (masked over the whole cache)")
+    if message is not None:
         if ctx.strict:
             raise LycheeCompileError(message)
         log.warning("lychee_compile: %s.", message)
