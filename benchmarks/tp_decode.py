@@ -118,6 +118,10 @@ def parse_args(argv=None):
     ap.add_argument("--lychee", action="append", default=[], metavar="KEY=JSON",
                     help="LycheeConfig field for every lychee row, e.g. --lychee defer_selection=false (as e2e.py)")
     ap.add_argument("--kernels", default="", metavar="FIELD=VALUE,...", help="KernelOptions (as e2e.py)")
+    ap.add_argument("--profile-rows", default="", metavar="ROW,...",
+                    help="after timing these rows, --profile-steps more steps under torch.profiler on every rank "
+                         "(CUDA graphs as timed): kernel time by category, NCCL's share, the main stream's idle gaps")
+    ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     if args.device is None:
@@ -129,7 +133,8 @@ def parse_args(argv=None):
         args.compile_reserve = 100.0 if args.device == "cuda" else 0.0
     args.case_list = [tuple(int(x) for x in c.lower().split("x")) for c in args.cases.split(",") if c.strip()]
     args.row_list = [r.strip() for r in args.rows.split(",") if r.strip()]
-    unknown = sorted(set(args.row_list) - set(ROWS))
+    args.profile_list = [r.strip() for r in args.profile_rows.split(",") if r.strip()]
+    unknown = sorted((set(args.row_list) | set(args.profile_list)) - set(ROWS))
     if unknown or not args.case_list or any(len(c) != 2 for c in args.case_list):
         raise BenchError(f"--rows from {ROWS} (got {unknown or args.rows}); --cases as CONTEXTxBATCH,...")
     if args.steps < 1 or args.warmup < 0:
@@ -393,7 +398,7 @@ def run_group(cargs, group: str, rows: list[str], model, cache, case: dict, load
                 warnings.simplefilter("ignore")
                 on_every_rank(lambda: lychee_compile.set_head_map(variant.model, head_map))
             effective = quiet_effective(head_map, variant.global_layers)
-        mine = on_every_rank(lambda: time_row(cargs, variant, cache, case, graphs))
+        mine = on_every_rank(lambda: time_row(cargs, variant, cache, case, graphs, row))
         rec = row_record(cargs, case, row, mode, compile_info, load_s, gathered(mine), effective, shards,
                          variant.model.config)
         results["rows"].append(rec)
@@ -460,8 +465,8 @@ def cuda_graphs_of(cargs, variant) -> bool:
     return cargs.device == "cuda" and variant.forward is not variant.model and cc.mode == "reduce-overhead"
 
 
-def time_row(cargs, variant, cache, case: dict, graphs: bool) -> dict:
-    """This rank's timing and checks of one row (graphs: the step replays CUDA graphs)."""
+def time_row(cargs, variant, cache, case: dict, graphs: bool, row: str) -> dict:
+    """This rank's timing and checks of one row (graphs: the step replays CUDA graphs); its profile if asked."""
     ctx, batch, device = case["context"], case["batch"], cargs.device
     loop = DecodeLoop(variant.model, variant.forward, cache, batch, variant.model.config.vocab_size, device)
     state = getattr(variant.model, "_lychee_state", None)
@@ -479,7 +484,44 @@ def time_row(cargs, variant, cache, case: dict, graphs: bool) -> dict:
                     sites_on_reference=c.sites_on_reference)
     if not graphs:      # a CUDA graph's replay issues its collectives without the records the profiler counts
         mine["collectives"] = step_collectives(variant.model, variant.forward, cache, ctx, batch, device)
+    if row in cargs.profile_list:
+        mine["profile"] = profile_steps(loop, cargs.profile_steps, device)
     return mine
+
+
+def profile_steps(loop, steps: int, device: str) -> dict:
+    """This rank's device kernels over `steps` more decode steps (the loop goes on where the timing left it):
+    ms per step by category (e2e's, NCCL first), the top kernels, and the last step's main-stream timeline: busy,
+    idle gaps, NCCL kernels (their time includes waiting for the other ranks)."""
+    from torch.profiler import ProfilerActivity, profile
+    from benchmarks.e2e import kernel_category, kernel_timeline, profile_events
+    cuda = device == "cuda"
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) \
+            as prof:
+        for _ in range(steps):
+            loop.step()
+        sync(device)
+    events = profile_events(prof, cuda)
+    category = lambda name: "NCCL" if "nccl" in name.lower() else kernel_category(name)     # noqa: E731
+    cats = collections.Counter()
+    for name, t, _ in events:
+        cats[category(name)] += t / 1e3 / steps
+    timeline = kernel_timeline(prof, steps) if cuda else []
+    main = [k for k in timeline if k["gap_us"] is not None]           # main-stream kernels after the first
+    rec = dict(steps=steps, ms_per_step_by_category={c: round(v, 4) for c, v in cats.most_common()},
+               top=[dict(name=n[:100], category=category(n), ms_per_step=round(t / 1e3 / steps, 4),
+                         calls_per_step=k / steps) for n, t, k in sorted(events, key=lambda x: -x[1])[:25]])
+    if timeline:
+        span = max(k["start_us"] + k["dur_us"] for k in timeline)
+        nccl = [k for k in timeline if "nccl" in k["name"].lower()]
+        gaps = sorted((k["gap_us"] for k in main if k["gap_us"]), reverse=True)
+        rec.update(last_step_span_us=span, kernels=len(timeline), streams=len({k["stream"] for k in timeline}),
+                   nccl_kernels=len(nccl), nccl_us=sum(k["dur_us"] for k in nccl),
+                   nccl_us_sorted=[round(k["dur_us"], 1) for k in sorted(nccl, key=lambda k: -k["dur_us"])][:12],
+                   main_idle_us=sum(gaps), main_gaps_top_us=[round(g, 1) for g in gaps[:12]],
+                   timeline=[dict(name=k["name"][:60], stream=k["stream"], start_us=round(k["start_us"], 1),
+                                  dur_us=round(k["dur_us"], 1)) for k in timeline])
+    return rec
 
 
 def row_errors(cargs, case: dict, per_rank: list[dict]) -> list[str]:
@@ -548,6 +590,18 @@ def print_row(r: dict) -> None:
           f"{r['ms_median_max']:.3f}, p90 {r['ms_p90_max']:.3f}) | floor {r['floor_ms']:.3f} + all-reduce "
           f"{r['allreduce_ms']:.3f} ms -> x{r['x_floor_allreduce']:.2f} | recompiles {r['recompiles']}{spread}",
           flush=True)
+    for i, p in enumerate(r["per_rank"]):
+        prof = p.get("profile")
+        if prof:
+            print(f"   profile rank {i}: ms/step by category {prof['ms_per_step_by_category']}; last step: "
+                  f"span {_fmt(prof.get('last_step_span_us'), '.0f')} us, {prof.get('kernels')} kernels on "
+                  f"{prof.get('streams')} streams, NCCL {prof.get('nccl_kernels')} kernels "
+                  f"{_fmt(prof.get('nccl_us'), '.0f')} us (largest {prof.get('nccl_us_sorted')}), main-stream idle "
+                  f"{_fmt(prof.get('main_idle_us'), '.0f')} us (largest gaps {prof.get('main_gaps_top_us')})",
+                  flush=True)
+            for t in prof["top"][:12]:
+                print(f"      {t['ms_per_step']:.4f} ms x{t['calls_per_step']:.0f} {t['category']}: {t['name']}",
+                      flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ output
