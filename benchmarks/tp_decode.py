@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import datetime
 import json
@@ -122,6 +123,9 @@ def parse_args(argv=None):
                     help="after timing these rows, --profile-steps more steps under torch.profiler on every rank "
                          "(CUDA graphs as timed): kernel time by category, NCCL's share, the main stream's idle gaps")
     ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument("--skip-guard-eval-unsafe", action="store_true",
+                    help="a probe, not a setting to use: time the rows under torch.compiler.set_stance("
+                         "skip_guard_eval_unsafe=True), Dynamo's guards not evaluated per call (their host cost)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     if args.device is None:
@@ -473,7 +477,9 @@ def time_row(cargs, variant, cache, case: dict, graphs: bool, row: str) -> dict:
     calls0 = state.counters.decode_calls if state is not None else None
     before = dynamo_counts()
     reset_peak(device)
-    stats = time_decode(loop, ctx, cargs.warmup, cargs.steps, device)
+    with (torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if cargs.skip_guard_eval_unsafe
+          else contextlib.nullcontext()):
+        stats = time_decode(loop, ctx, cargs.warmup, cargs.steps, device)
     mine = dict(ms=stats["tpot_ms"], p90_ms=stats["p90_ms"], loop_ms=stats["loop_ms"],
                 logits_finite=stats["logits_finite"], recompiles=max(delta(dynamo_counts(), before).values()),
                 peak_gb=memory_now(device)["peak_gb"])
@@ -487,6 +493,30 @@ def time_row(cargs, variant, cache, case: dict, graphs: bool, row: str) -> dict:
     if row in cargs.profile_list:
         mine["profile"] = profile_steps(loop, cargs.profile_steps, device)
     return mine
+
+
+def host_profile(loop, steps: int, device: str) -> dict:
+    """The CPU side of `steps` decode steps under cProfile (a step that launches CUDA graphs should cost the host far
+    less than the GPU's step): wall ms per step without a sync inside, and the functions with the most own time."""
+    import cProfile
+    import pstats
+    sync(device)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        prof.enable()
+        for _ in range(steps):
+            loop.step()
+        prof.disable()
+        host_s = time.perf_counter() - t0
+    sync(device)
+    stats = pstats.Stats(prof).stats
+    rows = sorted(((fn, st[2], st[3], st[1]) for fn, st in stats.items()), key=lambda x: -x[1])[:30]
+    cum = sorted(((fn, st[3], st[1]) for fn, st in stats.items()), key=lambda x: -x[1])[:30]
+    name = lambda fn: f"{os.path.basename(fn[0])}:{fn[1]}({fn[2]})"      # noqa: E731
+    return dict(host_ms_per_step=host_s * 1e3 / steps,
+                own=[dict(fn=name(fn), own_ms=round(t * 1e3 / steps, 4), calls=n / steps) for fn, t, _, n in rows],
+                cumulative=[dict(fn=name(fn), ms=round(t * 1e3 / steps, 4), calls=n / steps) for fn, t, n in cum])
 
 
 def profile_steps(loop, steps: int, device: str) -> dict:
@@ -508,7 +538,7 @@ def profile_steps(loop, steps: int, device: str) -> dict:
         cats[category(name)] += t / 1e3 / steps
     timeline = kernel_timeline(prof, steps) if cuda else []
     main = [k for k in timeline if k["gap_us"] is not None]           # main-stream kernels after the first
-    rec = dict(steps=steps, ms_per_step_by_category={c: round(v, 4) for c, v in cats.most_common()},
+    rec = dict(steps=steps, host=host_profile(loop, steps, device), ms_per_step_by_category={c: round(v, 4) for c, v in cats.most_common()},
                top=[dict(name=n[:100], category=category(n), ms_per_step=round(t / 1e3 / steps, 4),
                          calls_per_step=k / steps) for n, t, k in sorted(events, key=lambda x: -x[1])[:25]])
     if timeline:
@@ -599,6 +629,9 @@ def print_row(r: dict) -> None:
                   f"{_fmt(prof.get('nccl_us'), '.0f')} us (largest {prof.get('nccl_us_sorted')}), main-stream idle "
                   f"{_fmt(prof.get('main_idle_us'), '.0f')} us (largest gaps {prof.get('main_gaps_top_us')})",
                   flush=True)
+            host = prof["host"]
+            print(f"   host (cProfile, rank {i}): {host['host_ms_per_step']:.3f} ms per step; own time: " + "; ".join(
+                f"{h['fn']} {h['own_ms']:.3f} ms x{h['calls']:.0f}" for h in host["own"][:10]), flush=True)
             for t in prof["top"][:12]:
                 print(f"      {t['ms_per_step']:.4f} ms x{t['calls_per_step']:.0f} {t['category']}: {t['name']}",
                       flush=True)
