@@ -12,6 +12,7 @@ import torch
 from .lowering.kernel_path import account_sites
 from .passes import Counters, PassContext, run_passes
 from .passes.snapshot import graph_snapshot
+from .tensor_parallel import _dtensor_type
 
 log = logging.getLogger("lychee_compile")
 
@@ -33,6 +34,8 @@ def make_backend(model, config, retrieval: torch.Tensor, streaming: torch.Tensor
         decode = ctx.is_decode and not ctx.aborted
         if decode:      # kernels or reference, per site; strict refuses a CUDA site on the reference here
             account_sites(ctx.sites, config, counters)
+            dtensor = _dtensor_type()
+            counters.dtensor_inputs += sum(isinstance(x, dtensor) for x in example_inputs) if dtensor else 0
         compiled = gm.forward if config.backend == "eager" else _inductor(gm, example_inputs, config, decode)
         if not decode:
             return compiled

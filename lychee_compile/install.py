@@ -39,6 +39,7 @@ from .linear_groups import fuse_weights
 from .masks import check_padding_mask
 from .rectify import install_rectification
 from .state_buffers import install_state
+from .tensor_parallel import local_linear_shards
 
 STATE_ATTR = "_lychee_state"
 log = logging.getLogger("lychee_compile")
@@ -118,13 +119,18 @@ def _prompt_chunks_eager(model, compiled):
     """The compiled call, except for a one-token prompt chunk (chunked prefill, prompt length % chunk == 1), which
     runs the model eagerly: to the compiled graph a one-token call is a decode step, and it would be rewritten
     (sparse) while it is part of the prefill (dense). Longer chunks compile as prefill graphs (classify.py)."""
+    shards = local_linear_shards(model)          # tensor parallel: the graphs read Linear weights' local shards
+
     def compiled_call(*args, **kwargs):
         left = getattr(model, PREFILL_CALLS_ATTR, 0)
         if left:
             setattr(model, PREFILL_CALLS_ATTR, left - 1)
             if tokens_of(args, kwargs).shape[1] == 1:
                 return model(*args, **kwargs)
-        return compiled(*args, **kwargs)
+        if shards is None:
+            return compiled(*args, **kwargs)
+        with shards:
+            return compiled(*args, **kwargs)
     return compiled_call
 
 

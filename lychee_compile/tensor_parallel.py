@@ -209,3 +209,61 @@ def _whole_heads(rows: list[int], head_dim: int, num_heads: int, what: str) -> l
             raise LycheeCompileError(f"{what}: this rank's rows {rows} are not whole heads of {head_dim}: the "
                                      f"{num_heads} heads do not divide evenly by the tensor-parallel size.")
     return heads
+
+
+class LocalLinearShards:
+    """The compiled calls' view of a tensor-parallel model's nn.Linear weights: their local shards.
+
+    Why: a graph input that is a DTensor costs the host, on every call, a guard on its sharding spec and an unwrap
+    to its local tensor (~225 of each for Llama-3-8B's decode step; measured with benchmarks/tp_decode.py
+    --profile-rows, docs/tensor-parallel.md) -- as much host time as the GPU's whole step under TP, so the step
+    waited on the CPU. transformers' TP runs every nn.Linear on its local shard anyway when no gradient is needed
+    (its `should_use_local_tensors`: the weights' `to_local()` inside the forward, all-reduce / gather on the
+    outputs), so around a compiled call made without gradients each such weight is swapped for a Parameter on its
+    local shard (same storage, no copy) and swapped back after: the graph computes the same products and issues
+    the same collectives, with plain tensors as inputs. Nothing else (embeddings, norms) is touched.
+
+    A weight replaced after lychee_compile (`model.to(...)`, a new Parameter) is noticed by identity at the next
+    call and its shard taken again; in-place updates reach the shard through the shared storage."""
+
+    def __init__(self, model):
+        self.model = model
+        self.swaps = self._collect()
+
+    def _collect(self) -> list:
+        """[(module._parameters, name, the DTensor parameter, a Parameter on its local shard)]"""
+        dtensor = _dtensor_type()
+        out = []
+        with torch.no_grad():
+            for module in self.model.modules():
+                if not isinstance(module, torch.nn.Linear):
+                    continue
+                for name, p in module._parameters.items():
+                    if dtensor is not None and isinstance(p, dtensor):
+                        out.append((module._parameters, name, p,
+                                    torch.nn.Parameter(p.to_local(), requires_grad=False)))
+        return out
+
+    def __len__(self) -> int:
+        return len(self.swaps)
+
+    def __enter__(self):
+        self.active = not torch.is_grad_enabled()
+        if self.active:
+            if any(params.get(name) is not original for params, name, original, _ in self.swaps):
+                self.swaps = self._collect()
+            for params, name, _, local in self.swaps:
+                params[name] = local
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            for params, name, original, _ in self.swaps:
+                params[name] = original
+        return False
+
+
+def local_linear_shards(model) -> LocalLinearShards | None:
+    """LocalLinearShards of a model with DTensor nn.Linear weights, else None."""
+    shards = LocalLinearShards(model)
+    return shards if len(shards) else None

@@ -22,6 +22,9 @@ def test_flash_dense_model_matches_dense(arch, attn):
     snap = state.snapshots[0]
     assert snap.count(" dense_decode ") == len(state.global_layers) and "hybrid_decode" not in snap
     assert "idx_in" not in snap
+    # every layer's op is given the valid ranges (computed once per graph: passes/rewrite.py shares the node)
+    ops = [line for line in snap.splitlines() if " dense_decode " in line]
+    assert all("ranges=valid_ranges(" in line for line in ops), ops[:1]
     assert max_logit_diff(logits, dense_logits) < EXACT_TOL and torch.equal(seq, dense_seq)
 
 
@@ -73,6 +76,9 @@ def test_key_segments_merge_to_the_reference(monkeypatch, segments, L):
     out = dd._flash_varlen(q, k, v, valid, D ** -0.5, attend=_varlen_semantics)
     ref = dense_decode_reference(q, k, v, valid, D ** -0.5)
     assert out.shape == ref.shape and (out - ref).abs().max() < 1e-5
+    given = dd._flash_varlen(q, k, v, valid, D ** -0.5, attend=_varlen_semantics, ranges=dd.valid_ranges(valid))
+    assert torch.equal(given, out)                   # the rewrite's once-per-graph ranges: the same sequences
+    assert dd.valid_ranges(valid).tolist() == [[0, 7, 10, 3], [T, 30, 10 + L, 5 + L]]
 
 
 @pytest.mark.gpu
@@ -92,3 +98,5 @@ def test_flash_varlen_matches_reference_gpu(G, D, L):
     ref = dense_decode_reference(q, k, v, valid, D ** -0.5)
     assert torch.isfinite(out).all()
     assert (out.float() - ref.float()).abs().max() < 2e-2
+    from lychee_compile.ops.dense_decode import valid_ranges
+    assert torch.equal(torch.ops.lychee.dense_decode(q, k, v, valid, D ** -0.5, valid_ranges(valid)), out)

@@ -97,12 +97,23 @@ def job_generate(folder, api, retrieval, config, swap=None):
     state = state_of(model)
     first = _run(model)
     result = dict(first, heads=state.shard.heads, kinds=tuple(model._lychee_kinds.shape),
-                  counters=state.counters.as_dict())
+                  counters=state.counters.as_dict(), dtensor_params=_dtensor_params(model))
     if swap is not None:
         graphs = state.counters.graphs
         set_head_map(model, HeadMap(swap).with_model_metadata(model))
         result.update(swapped=_run(model), new_graphs=state.counters.graphs - graphs)
     return result
+
+
+def _dtensor_params(model) -> dict:
+    """{'linear': DTensor weights of nn.Linear modules, 'other': other DTensor parameters} (after generate())."""
+    from torch.distributed.tensor import DTensor
+    out = collections.Counter()
+    for module in model.modules():
+        for p in module._parameters.values():
+            if isinstance(p, DTensor):
+                out["linear" if isinstance(module, torch.nn.Linear) else "other"] += 1
+    return dict(out)
 
 
 def job_collectives_per_step(folder):
@@ -171,6 +182,10 @@ def _assert_heads_split(per_rank, n_kv):
         assert r["cache_heads"] == n_kv // 2, "each rank's KV cache holds only its own heads"
         assert r["kinds"][1] == n_kv // 2
         assert r["counters"]["sites_rewritten"] > 0 and r["counters"]["graphs_left_dense"] == 0
+        # the decode graph took the Linear weights' local shards (no per-call DTensor guard / unwrap), and the
+        # model holds its DTensors again after generate()
+        assert r["dtensor_params"].get("linear", 0) > 0
+        assert r["counters"]["dtensor_inputs"] <= r["dtensor_params"].get("other", 0)
 
 
 def _transformers_before(version: str) -> bool:

@@ -75,6 +75,9 @@ class Counters:
     # once in reference_reasons
     sites_on_kernel: int = 0
     sites_on_reference: int = 0
+    # decode graphs' inputs that are DTensors (tensor parallel: nn.Linear weights enter as their local shards,
+    # tensor_parallel.LocalLinearShards, so this counts what is left, e.g. an embedding)
+    dtensor_inputs: int = 0
     decode_calls: int = 0            # runtime: calls of a rewritten decode graph (generate() checks it moved)
     generate_calls_dense: int = 0    # runtime: generate() calls whose decode steps never reached the rewrite
     # rectification (rectify.py): graphs compiled for its re-encode (each a prefill graph, also in prefill_graphs)

@@ -32,6 +32,7 @@ import operator
 import torch
 
 from ..errors import LycheeCompileError
+from ..ops.dense_decode import valid_ranges
 from ..ops.heat import heat_decode_step
 from ..ops.hybrid_decode import IDX_OUT, OUT, SLOT_OUT, hybrid_decode_op
 from ..ops.op_arguments import positional
@@ -113,7 +114,7 @@ def _buffers_fit(ctx: PassContext, n_global: int) -> bool:
     return True
 
 
-def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int):
+def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int, ranges=None):
     """(the lychee node for one site, the name of the cross-step state whose slot it returns as res[2] or None):
     hybrid_decode,
     or the composite heat_decode_step (reads its heat slot, returns the new one) / quest_decode_step (updates its
@@ -124,7 +125,7 @@ def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int):
 
     attention = dict(q=site.q, k=site.kv_k, v=site.kv_v, valid=valid, scale=site.scale)
     if _dense(ctx):
-        return call(torch.ops.lychee.dense_decode.default, **attention), None
+        return call(torch.ops.lychee.dense_decode.default, **attention, ranges=ranges), None
     hybrid = dict(attention, retrieval=kinds, idx_in=None,        # idx_in: wired by thread_state
                   block_size=cfg.block_size, sink_tokens=cfg.sink_tokens, local_tokens=cfg.local_tokens,
                   policy=cfg.policy_code, policy_param=float(cfg.selection_param))
@@ -164,8 +165,10 @@ def _rewrite(ctx: PassContext, site: Site, slot: int, shared_valid: dict) -> Non
                 valid = graph.call_function(VALID_FROM[site.mask_kind], (site.mask, site.q))
             valid.meta["nn_module_stack"] = site.output.meta.get("nn_module_stack", {})
             shared_valid[key] = valid
+            if dense:       # the valid ranges once for every layer's dense_decode (its `ranges` says why)
+                shared_valid[(key, "ranges")] = graph.call_function(valid_ranges, (valid,))
         kinds = None if dense else graph.call_function(kinds_slot, (ctx.kinds_input, slot))
-        op, slot_name = _op_call(ctx, site, valid, kinds, slot)
+        op, slot_name = _op_call(ctx, site, valid, kinds, slot, shared_valid.get((key, "ranges")))
         out = op if dense else graph.call_function(operator.getitem, (op, OUT))
         if not dense:
             graph.call_function(operator.getitem, (op, IDX_OUT))
