@@ -126,6 +126,9 @@ def parse_args(argv=None):
     ap.add_argument("--skip-guard-eval-unsafe", action="store_true",
                     help="a probe, not a setting to use: time the rows under torch.compiler.set_stance("
                          "skip_guard_eval_unsafe=True), Dynamo's guards not evaluated per call (their host cost)")
+    ap.add_argument("--no-local-shards", action="store_true",
+                    help="a probe, not a setting to use: compiled calls take the DTensor weights themselves "
+                         "(tensor_parallel.LocalLinearShards off), to time what the local shards save")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     if args.device is None:
@@ -133,6 +136,9 @@ def parse_args(argv=None):
     for key, value in (CPU_DEFAULTS if args.device == "cpu" else GPU_DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.no_local_shards:
+        import lychee_compile.install
+        lychee_compile.install.local_linear_shards = lambda model: None
     if args.compile_reserve is None:
         args.compile_reserve = 100.0 if args.device == "cuda" else 0.0
     args.case_list = [tuple(int(x) for x in c.lower().split("x")) for c in args.cases.split(",") if c.strip()]

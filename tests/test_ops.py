@@ -125,6 +125,15 @@ def test_dense_decode_opcheck(dtype, L):
     torch.library.opcheck(DENSE, (_queries(q, L), k, v, valid, 0.25))
 
 
+def test_valid_ranges_opcheck():
+    _, _, _, valid, _ = inputs()
+    valid = torch.cat([valid, valid.roll(-5, 1)])                    # rows ending before T too
+    torch.library.opcheck(torch.ops.lychee.valid_ranges.default, (valid,))
+    ends = [int(torch.nonzero(row).max()) + 1 for row in valid]
+    starts = [int(torch.nonzero(row).min()) for row in valid]
+    assert torch.ops.lychee.valid_ranges(valid).tolist() == [starts, ends]
+
+
 @pytest.mark.parametrize("L", [1, 4])
 def test_dense_decode_is_masked_sdpa(L):
     # the L queries are each row's L newest valid positions: causal among themselves, every earlier valid key

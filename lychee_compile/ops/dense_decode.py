@@ -57,13 +57,20 @@ def dense_decode_reference(q, k, v, valid, scale: float) -> torch.Tensor:
 KEY_SEGMENTS = 16
 
 
+@torch.library.custom_op("lychee::valid_ranges", mutates_args=())
 def valid_ranges(valid: torch.Tensor) -> torch.Tensor:
-    """Each row's valid range [start, end): int32 [2, B] (no host sync; traceable, so a compiled graph fuses it)."""
+    """Each row's valid range [start, end): bool [B, T] -> int32 [2, B] (no host sync). An op of its own, opaque to
+    Inductor: these eager reductions are the ones every dense_decode ran on the GPU before the rewrite shared them."""
     T = valid.shape[-1]
     v8 = valid.to(torch.int8)
     start = v8.argmax(dim=-1).to(torch.int32)                            # first valid position  [B]
     end = (T - v8.flip(-1).argmax(dim=-1)).to(torch.int32)               # one past the last one [B]
     return torch.stack([start, end])
+
+
+@valid_ranges.register_fake
+def _(valid):
+    return valid.new_empty((2, valid.shape[0]), dtype=torch.int32)
 
 
 def _flash_attend(rows, k_flat, v_flat, cu_q, cu_k, used, max_q: int, max_k: int, causal: bool, scale: float):

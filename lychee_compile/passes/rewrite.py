@@ -32,7 +32,6 @@ import operator
 import torch
 
 from ..errors import LycheeCompileError
-from ..ops.dense_decode import valid_ranges
 from ..ops.heat import heat_decode_step
 from ..ops.hybrid_decode import IDX_OUT, OUT, SLOT_OUT, hybrid_decode_op
 from ..ops.op_arguments import positional
@@ -166,7 +165,7 @@ def _rewrite(ctx: PassContext, site: Site, slot: int, shared_valid: dict) -> Non
             valid.meta["nn_module_stack"] = site.output.meta.get("nn_module_stack", {})
             shared_valid[key] = valid
             if dense:       # the valid ranges once for every layer's dense_decode (its `ranges` says why)
-                shared_valid[(key, "ranges")] = graph.call_function(valid_ranges, (valid,))
+                shared_valid[(key, "ranges")] = graph.call_function(torch.ops.lychee.valid_ranges.default, (valid,))
         kinds = None if dense else graph.call_function(kinds_slot, (ctx.kinds_input, slot))
         op, slot_name = _op_call(ctx, site, valid, kinds, slot, shared_valid.get((key, "ranges")))
         out = op if dense else graph.call_function(operator.getitem, (op, OUT))

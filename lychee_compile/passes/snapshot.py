@@ -85,6 +85,8 @@ def _render(a, layer_of) -> str:
         return repr(a)
     if a.op == "placeholder":
         return _placeholder_name(a.target)
+    if a.op == "call_function" and isinstance(a.target, torch._ops.OpOverload) and a.target.namespace == "lychee":
+        return f"{a.target._opname}({','.join(_render(x, layer_of) for x in a.args)})"     # lychee::valid_ranges
     if a.op == "call_function" and a.target.__module__.startswith("lychee_compile"):
         name = a.target.__name__
         if name == "drop_inherited":
