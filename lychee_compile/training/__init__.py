@@ -13,13 +13,15 @@
     plots.py            E[z] per head over steps (heatmap) and the final map
     cli.py              `lychee train-heads`
 
-The shipped SmolLM2-135M map: shipped_map_path() / load_shipped_map() (lychee_compile/data/smollm2-135m.safetensors).
+Shipped maps: shipped_map_path() / load_shipped_map() (lychee_compile/data/NAME.safetensors): "smollm2-135m", the
+package default, made and certified by `lychee calibrate` (its metadata: target, measured quality with intervals,
+recommended budget); "smollm2-135m-hardkuma", the HardKuma map this trainer learned (docs/quality.md compares them).
 """
 
 
 def shipped_map_path(name: str = "smollm2-135m") -> str:
-    """Path of a head map shipped in the package (lychee_compile/data/NAME.safetensors); the SmolLM2-135M map is the
-    learned HardKuma map (its metadata says how it was made)."""
+    """Path of a head map shipped in the package (lychee_compile/data/NAME.safetensors); its metadata says how it
+    was made."""
     from importlib import resources
     return str(resources.files("lychee_compile").joinpath("data", f"{name}.safetensors"))
 
