@@ -78,12 +78,30 @@ def test_other_gate_families_have_gradients():
 
 
 def test_lagrangian_rises_over_budget_falls_under_and_stays_nonnegative():
-    lag = Lagrangian(target=10, lr=0.1)
+    lag = Lagrangian(target=10, lr=0.1, equality=False)     # an at-most budget
     assert lag.step(15.0) == pytest.approx(0.5)         # over budget: λ rises
     assert lag.step(14.0) == pytest.approx(0.9)
     assert lag.step(8.0) == pytest.approx(0.7)          # under budget: λ falls
     assert lag.step(0.0) == 0.0                         # clamped at 0
     assert float(lag.term(torch.tensor(12.0))) == 0.0
+
+
+def test_equality_lagrangian_goes_negative_and_pulls_expected_l0_up_to_the_target():
+    lag = Lagrangian(target=10, lr=0.1)                     # the default: E‖z‖₀ = target
+    assert lag.step(15.0) == pytest.approx(0.5) and lag.step(0.0) == pytest.approx(-0.5)
+    gates = HardKumaGates(40)
+    target = float(gates.constraint().detach()) + 3.0       # under the target: the term must raise E‖z‖₀
+    lag = Lagrangian(target=target, lr=0.5, rho=1.0)
+    opt = torch.optim.SGD(gates.parameters(), lr=0.5)
+    for _ in range(30):
+        opt.zero_grad()
+        el0 = gates.constraint()
+        lag.term(el0).backward()
+        opt.step()
+        lag.step(float(el0.detach()))
+    assert abs(float(gates.constraint().detach()) - target) < 1.0
+    quad = Lagrangian(target=2.0, rho=4.0)                  # (ρ/2)·c² alone, λ = 0
+    assert float(quad.term(torch.tensor(5.0))) == pytest.approx(18.0)
 
 
 def test_lagrangian_term_pushes_expected_l0_down_when_over_budget():

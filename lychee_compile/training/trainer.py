@@ -1,7 +1,8 @@
 """Training loop for head gates: seeded, resumable (checkpoint every step), with a progress bar.
 
     L = mean over the step's sequences of Σ_j ‖y_S[j] − y_T[j]‖²  (+ λ·(E‖z‖₀ − N_target) | + l1·Σα for Duo)
-(α, β) (or the family's parameters) take Adam steps; λ takes a gradient-ascent step clamped at 0 (lagrangian.py).
+(α, β) (or the family's parameters) take Adam steps; λ takes a gradient-ascent step (lagrangian.py: either sign for
+the default equality constraint, clamped at 0 for an at-most budget).
 Model weights are frozen. Determinism: each step's sample order and gate noise come from a generator seeded with
 (seed, step), so a resumed run follows exactly the path of an uninterrupted one.
 """
@@ -28,6 +29,10 @@ class TrainConfig:
     batch: int = 2                     # sequences per step
     lr: float = 0.01                   # Adam on the gate parameters (LycheeDecode: 0.01)
     lambda_lr: float = 0.01            # gradient ascent on λ
+    # the head-count constraint (lagrangian.py): "equality" (E‖z‖₀ = N_target, λ of either sign) or "at-most"
+    # (E‖z‖₀ <= N_target, λ >= 0); rho: the augmented term (ρ/2)(E‖z‖₀ − N_target)²
+    constraint: str = "equality"
+    rho: float = 0.1
     l1: float = 0.05                   # Duo only
     budget_frac: float = 0.3           # sparse heads' token budget during training, fraction of the prompt
     # "sum": Σ_j ‖y_S[j] − y_T[j]‖² as in LycheeDecode; "vocab-mean": the same divided by the vocabulary size
@@ -58,7 +63,10 @@ class Trainer:
         fam = FAMILIES[cfg.method]
         self.gates = fam(self.trainable, l1=cfg.l1) if cfg.method == "duo" else fam(self.trainable)
         self.opt = torch.optim.Adam(self.gates.parameters(), lr=cfg.lr)
-        self.lag = Lagrangian(cfg.retrieval_heads, lr=cfg.lambda_lr)
+        if cfg.constraint not in ("equality", "at-most"):
+            raise ValueError(f"constraint must be 'equality' or 'at-most', got {cfg.constraint!r}")
+        self.lag = Lagrangian(cfg.retrieval_heads, lr=cfg.lambda_lr, equality=cfg.constraint == "equality",
+                              rho=cfg.rho)
         self.step = 0
         self.history: list[dict] = []        # per step: loss, distill, E‖z‖₀, λ, score [H]
         self.num_select = _num_select(samples, cfg)
