@@ -19,7 +19,7 @@ DEFAULT_BUDGET = 1024      # tokens per sparse head where neither the config nor
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
     """How the rewritten decode step is generated on CUDA (no effect on values, only on speed; the defaults are the
-    measured fast path: docs/ARCHITECTURE.md and lowering/compile.py say why each). Benchmarks turn them off one by
+    measured fast path: lowering/compile.py and inductor_changes.py say why each). Benchmarks turn them off one by
     one (`benchmarks/e2e.py --kernels pdl=false`); `KernelOptions.parse` reads that text."""
     # Inductor's combo kernels: the step's small independent pointwise / norm kernels share launches.
     combo_kernels: bool = True
