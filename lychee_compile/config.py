@@ -36,7 +36,7 @@ class KernelOptions:
     tune_small_reductions: bool = False
     tune_timing: str = "alone"
     # The split launch's gathered (sparse-head) tile: (tokens per tile, pipeline stages, weight in the work pool);
-    # None: the template's defaults (lowering/kernel_params).
+    # None: the template's defaults (lowering/constexprs.kernel_params).
     sparse_tile: tuple | None = None
 
     def __post_init__(self) -> None:
@@ -83,7 +83,7 @@ class LycheeConfig:
     # map's recommended budget where `lychee calibrate` made it (HeadMap.recommended_budget), else DEFAULT_BUDGET;
     # lychee_compile resolves it (with_budget_for) and logs which.
     budget: int | None = None
-    # Tokens per block; blocks are aligned to absolute position 0. Power of two.
+    # Tokens per block; blocks are aligned to each row's first valid position (ops/row_alignment.py). Power of two.
     block_size: int = 16
     # First `sink_tokens` valid positions of a row are always attended (their blocks, outside the budget).
     sink_tokens: int = 16
