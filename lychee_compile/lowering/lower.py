@@ -79,8 +79,8 @@ def _row_inputs(valid, T, device):
 
 def _row_extent(valid, T, device):
     """ROWLO, ROWHI int32 [B] (first valid position, one past the last; (0, 0) for an empty row) and TVP int32 [1]
-    (the longest row end) as Inductor IR: reductions over VALID once per graph (_row_inputs) instead of every kernel program
-    scanning the row. standalone.row_extent is the eager twin."""
+    (the longest row end) as Inductor IR: reductions over VALID once per graph (_row_inputs) instead of every kernel
+    program scanning the row. standalone.row_extent is the eager twin."""
     aten, L = torch.ops.aten, compat.lowerings
     pos = L[torch.ops.prims.iota.default](T, start=0, step=1, dtype=torch.int32, device=device,
                                           requires_grad=False)                              # [T]
