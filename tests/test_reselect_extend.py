@@ -40,7 +40,7 @@ def test_refuses_counts_it_cannot_make(heads, match):
 
 @pytest.mark.parametrize("n", [24, 32])
 def test_the_committed_extended_maps_are_reproducible(n):
-    base = HeadMap.load(os.path.join(ROOT, "lychee_compile", "data", "smollm2-135m.safetensors"))
+    base = HeadMap.load(os.path.join(ROOT, "lychee_compile", "data", "smollm2-135m-hardkuma.safetensors"))
     scored = HeadMap.load(os.path.join(MAPS, "smollm2-retrieval-score-40.safetensors"))
     made = em.extend(base, em.scores_of(scored), n)
     committed = HeadMap.load(os.path.join(MAPS, f"smollm2-shipped-plus-rs{n}.safetensors"))
@@ -50,7 +50,7 @@ def test_the_committed_extended_maps_are_reproducible(n):
 
 def test_cli_extends_and_refuses_without_a_count(tmp_path):
     src = os.path.join(MAPS, "smollm2-retrieval-score-40.safetensors")
-    base = os.path.join(ROOT, "lychee_compile", "data", "smollm2-135m.safetensors")
+    base = os.path.join(ROOT, "lychee_compile", "data", "smollm2-135m-hardkuma.safetensors")
     out = tmp_path / "rs24.safetensors"
     assert em.main([src, "--extend", base, "--topk", "24", "--out", str(out)]) == 0
     committed = HeadMap.load(os.path.join(MAPS, "smollm2-shipped-plus-rs24.safetensors"))

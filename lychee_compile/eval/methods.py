@@ -49,7 +49,7 @@ UNAVAILABLE: dict[str, str] = {}
 if "quest" not in {f.name for f in __import__("dataclasses").fields(LycheeConfig)}:   # older checkouts
     METHODS = METHODS[:-1]
     UNAVAILABLE["quest"] = "this LycheeConfig has no Quest bounds (LycheeConfig.quest)"
-LEARNED_MAP = "smollm2-135m.safetensors"        # lychee_compile/data/, the shipped learned map
+LEARNED_MAP = "smollm2-135m.safetensors"        # lychee_compile/data/, the shipped (calibrated) map
 PLACEHOLDER_LAYERS = (0, 1, 15)                 # the demo's placeholder (cli.PLACEHOLDER_LAYERS)
 
 
