@@ -104,6 +104,20 @@ def test_equality_lagrangian_goes_negative_and_pulls_expected_l0_up_to_the_targe
     assert float(quad.term(torch.tensor(5.0))) == pytest.approx(18.0)
 
 
+def test_target_moves_from_the_initial_expected_l0_to_n_target_over_the_warmup():
+    import types
+    from lychee_compile.training.trainer import Trainer, TrainConfig
+    cfg = TrainConfig(retrieval_heads=10, steps=20, target_warmup=10)
+    t = types.SimpleNamespace(cfg=cfg, history=[], step=0)
+    assert Trainer.target_now(t, 50.0) == pytest.approx(50.0)         # step 0: where the gates start
+    t.history, t.step = [{"expected_l0": 50.0}], 5
+    assert Trainer.target_now(t, 31.0) == pytest.approx(30.0)         # halfway through the 10 warm-up steps
+    t.step = 10
+    assert Trainer.target_now(t, 12.0) == pytest.approx(10.0)         # then N_target
+    t.history = [{"expected_l0": 4.0}]
+    assert Trainer.target_now(t, 4.0) == pytest.approx(10.0)          # a start below the target: no path
+
+
 def test_lagrangian_term_pushes_expected_l0_down_when_over_budget():
     gates = HardKumaGates(4)
     lag = Lagrangian(target=1, lr=1.0)

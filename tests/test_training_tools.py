@@ -97,7 +97,7 @@ def test_plots_write_pngs(tmp_path):
 def test_cli_registers_train_heads():
     from lychee_compile.cli import build_parser
     args = build_parser().parse_args(["train-heads", "--method", "duo", "--retrieval-heads", "8", "--out", "x"])
-    assert args.method == "duo" and args.retrieval_heads == 8 and args.steps == 40
+    assert args.method == "duo" and args.retrieval_heads == 8 and args.steps == 100 and args.target_warmup == 50
     assert args.func.__module__ == "lychee_compile.training.cli"
 
 

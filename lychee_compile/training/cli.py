@@ -29,15 +29,18 @@ def add_parser(sub) -> None:
     p.add_argument("--method", choices=METHODS, default="hardkuma")
     p.add_argument("--retrieval-heads", type=int, default=16,
                    help="N_target: retrieval heads beyond the all-retrieval first layer (default 16)")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch", type=int, default=2, help="sequences per step (default 2)")
-    p.add_argument("--lr", type=float, default=0.01, help="Adam lr of the gate parameters (LycheeDecode: 0.01; the shipped SmolLM2 map: 0.05, 80 steps)")
-    p.add_argument("--lambda-lr", type=float, default=0.01, help="gradient-ascent lr of λ (default 0.01; short runs wound up λ and collapsed the map at 0.002-0.05, "
-                        "the shipped SmolLM2 map used 0.0005)")
+    p.add_argument("--lr", type=float, default=0.05, help="Adam lr of the gate parameters (default 0.05; LycheeDecode: 0.01)")
+    p.add_argument("--lambda-lr", type=float, default=0.002,
+                   help="gradient-ascent lr of λ (default 0.002, with --rho 0.1 and --target-warmup 0.5: E‖z‖₀ "
+                        "within one head of the target on SmolLM2, docs/quality.md)")
     p.add_argument("--constraint", choices=("equality", "at-most"), default="equality",
                    help="E‖z‖₀ = the target (default; λ of either sign) or at most the target (λ >= 0)")
     p.add_argument("--rho", type=float, default=0.1,
                    help="augmented-Lagrangian weight: (ρ/2)·(E‖z‖₀ − target)² added to the loss (default 0.1)")
+    p.add_argument("--target-warmup", type=int, default=50,
+                   help="steps over which the target moves from the initial E‖z‖₀ to --retrieval-heads (default 50)")
     p.add_argument("--l1", type=float, default=0.05, help="duo: L1 weight on the gates")
     p.add_argument("--budget-frac", type=float, default=0.3, help="sparse token budget in training, fraction of T")
     p.add_argument("--loss-norm", choices=("sum", "vocab-mean"), default="vocab-mean")
@@ -117,7 +120,7 @@ def run(args) -> int:
         else:
             cfg = TrainConfig(method=args.method, retrieval_heads=args.retrieval_heads, steps=args.steps,
                               batch=args.batch, lr=args.lr, lambda_lr=args.lambda_lr, l1=args.l1,
-                              constraint=args.constraint, rho=args.rho,
+                              constraint=args.constraint, rho=args.rho, target_warmup=args.target_warmup,
                               budget_frac=args.budget_frac, loss_norm=args.loss_norm, seed=args.seed)
             ckpt = args.checkpoint or args.out + ".ckpt"
             trainer = Trainer(model, samples, cfg, checkpoint=ckpt)

@@ -25,14 +25,19 @@ from .mixed_attention import MixedAttention, use_mixed_attention
 class TrainConfig:
     method: str = "hardkuma"
     retrieval_heads: int = 16          # N_target: retrieval heads wanted beyond the all-retrieval first layer
-    steps: int = 40
+    steps: int = 100
     batch: int = 2                     # sequences per step
-    lr: float = 0.01                   # Adam on the gate parameters (LycheeDecode: 0.01)
-    lambda_lr: float = 0.01            # gradient ascent on λ
+    lr: float = 0.05                   # Adam on the gate parameters (LycheeDecode: 0.01)
+    lambda_lr: float = 0.002           # gradient ascent on λ
     # the head-count constraint (lagrangian.py): "equality" (E‖z‖₀ = N_target, λ of either sign) or "at-most"
     # (E‖z‖₀ <= N_target, λ >= 0); rho: the augmented term (ρ/2)(E‖z‖₀ − N_target)²
     constraint: str = "equality"
     rho: float = 0.1
+    # the first target_warmup steps move the target linearly from the gates' initial E‖z‖₀ down to N_target: the
+    # constraint never sits far from its current target, so λ does not wind up (a wound-up λ pushed every head down
+    # together and left E‖z‖₀ below N_target, or spread it thinly over many heads), and the distillation loss has
+    # the time to tell heads apart. A step count, not a fraction, so a run resumed with more --steps keeps its path.
+    target_warmup: int = 50
     l1: float = 0.05                   # Duo only
     budget_frac: float = 0.3           # sparse heads' token budget during training, fraction of the prompt
     # "sum": Σ_j ‖y_S[j] − y_T[j]‖² as in LycheeDecode; "vocab-mean": the same divided by the vocabulary size
@@ -125,6 +130,8 @@ class Trainer:
             loss_b.backward(retain_graph=b < len(order) - 1)
             distill += float(loss_b.detach())
         constraint = self.gates.constraint()
+        if constraint is not None and self.gates.lagrangian:
+            self.lag.target = self.target_now(float(constraint.detach()))
         extra = torch.zeros(())
         if constraint is not None and self.gates.lagrangian:
             extra = extra + self.lag.term(constraint)
@@ -136,10 +143,18 @@ class Trainer:
         el0 = float(constraint.detach()) if constraint is not None else float(self.gates.score().sum())
         lam = self.lag.step(el0) if self.gates.lagrangian else 0.0
         self.step += 1
-        rec = {"step": self.step, "distill": distill, "expected_l0": el0, "lambda": lam,
+        rec = {"step": self.step, "distill": distill, "expected_l0": el0, "lambda": lam, "target": self.lag.target,
                "score": self.gates.score().tolist()}
         self.history.append(rec)
         return rec
+
+    def target_now(self, expected_l0: float) -> float:
+        """N_target, or during the first target_warmup steps a linear path to it from the first step's E‖z‖₀ (kept
+        in the history, so a resumed run follows the same path)."""
+        cfg = self.cfg
+        start = self.history[0]["expected_l0"] if self.history else expected_l0
+        left = max(0.0, 1.0 - self.step / cfg.target_warmup) if cfg.target_warmup > 0 else 0.0
+        return cfg.retrieval_heads + max(0.0, start - cfg.retrieval_heads) * left
 
     def train(self, progress: bool = True):
         from tqdm.auto import tqdm
