@@ -33,12 +33,12 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=2, help="sequences per step (default 2)")
     p.add_argument("--lr", type=float, default=0.05, help="Adam lr of the gate parameters (default 0.05; LycheeDecode: 0.01)")
     p.add_argument("--lambda-lr", type=float, default=0.002,
-                   help="gradient-ascent lr of λ (default 0.002, with --rho 0.1 and --target-warmup 0.5: E‖z‖₀ "
-                        "within one head of the target on SmolLM2, docs/quality.md)")
+                   help="gradient-ascent lr of λ (default 0.002; with --rho 0.5 and --target-warmup 50, E‖z‖₀ "
+                        "ends within one head of the target on SmolLM2, docs/quality.md)")
     p.add_argument("--constraint", choices=("equality", "at-most"), default="equality",
                    help="E‖z‖₀ = the target (default; λ of either sign) or at most the target (λ >= 0)")
-    p.add_argument("--rho", type=float, default=0.1,
-                   help="augmented-Lagrangian weight: (ρ/2)·(E‖z‖₀ − target)² added to the loss (default 0.1)")
+    p.add_argument("--rho", type=float, default=0.5,
+                   help="augmented-Lagrangian weight: (ρ/2)·(E‖z‖₀ − target)² added to the loss (default 0.5)")
     p.add_argument("--target-warmup", type=int, default=50,
                    help="steps over which the target moves from the initial E‖z‖₀ to --retrieval-heads (default 50)")
     p.add_argument("--l1", type=float, default=0.05, help="duo: L1 weight on the gates")

@@ -32,7 +32,7 @@ class TrainConfig:
     # the head-count constraint (lagrangian.py): "equality" (E‖z‖₀ = N_target, λ of either sign) or "at-most"
     # (E‖z‖₀ <= N_target, λ >= 0); rho: the augmented term (ρ/2)(E‖z‖₀ − N_target)²
     constraint: str = "equality"
-    rho: float = 0.1
+    rho: float = 0.5
     # the first target_warmup steps move the target linearly from the gates' initial E‖z‖₀ down to N_target: the
     # constraint never sits far from its current target, so λ does not wind up (a wound-up λ pushed every head down
     # together and left E‖z‖₀ below N_target, or spread it thinly over many heads), and the distillation loss has
