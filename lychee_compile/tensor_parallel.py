@@ -229,6 +229,7 @@ class LocalLinearShards:
     def __init__(self, model):
         self.model = model
         self.swaps = self._collect()
+        self.depth, self.active = 0, False         # a call inside a call keeps the outer swap
 
     def _collect(self) -> list:
         """[(module._parameters, name, the DTensor parameter, a Parameter on its local shard)]"""
@@ -248,18 +249,22 @@ class LocalLinearShards:
         return len(self.swaps)
 
     def __enter__(self):
-        self.active = not torch.is_grad_enabled()
-        if self.active:
-            if any(params.get(name) is not original for params, name, original, _ in self.swaps):
-                self.swaps = self._collect()
-            for params, name, _, local in self.swaps:
-                params[name] = local
+        self.depth += 1
+        if self.depth == 1:
+            self.active = not torch.is_grad_enabled()
+            if self.active:
+                if any(params.get(name) is not original for params, name, original, _ in self.swaps):
+                    self.swaps = self._collect()
+                for params, name, _, local in self.swaps:
+                    params[name] = local
         return self
 
     def __exit__(self, *exc):
-        if self.active:
+        self.depth -= 1
+        if self.depth == 0 and self.active:
             for params, name, original, _ in self.swaps:
                 params[name] = original
+            self.active = False
         return False
 
 

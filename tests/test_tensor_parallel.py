@@ -116,6 +116,26 @@ def _dtensor_params(model) -> dict:
     return dict(out)
 
 
+def job_local_shards(folder):
+    """LocalLinearShards on a sharded model: swapped in only without gradients, kept by a nested call, restored."""
+    from torch.distributed.tensor import DTensor
+    from lychee_compile.tensor_parallel import local_linear_shards
+    model = _load(folder, "tp_plan")
+    shards = local_linear_shards(model)
+    weight = model.model.layers[0].self_attn.q_proj._parameters
+    out = dict(n=len(shards), before=isinstance(weight["weight"], DTensor))
+    with torch.no_grad(), shards:
+        with shards:
+            out["nested"] = isinstance(weight["weight"], DTensor)
+        out["inner_exit"] = isinstance(weight["weight"], DTensor)
+        local = weight["weight"]
+    out["after"] = isinstance(weight["weight"], DTensor)
+    out["same_storage"] = local.data_ptr() == weight["weight"].to_local().data_ptr()
+    with torch.enable_grad(), shards:
+        out["with_grad"] = isinstance(weight["weight"], DTensor)
+    return out
+
+
 def job_collectives_per_step(folder):
     """The collectives one decode step issues (the gloo backend's own operation records, which a compiled graph's
     functional collectives reach as well), of transformers' TP model and of the same model through lychee_compile."""
@@ -233,6 +253,14 @@ def test_sparse_map_equals_one_process_lychee(ranks, saved):
     single = _one_process(arch, retrieval, **SPARSE)
     _assert_equals_one_process(per_rank, single)
     assert max_logit_diff(single["logits"], _one_process(arch)["logits"]) > 1e-3, "the map must make attention sparse"
+
+
+def test_local_linear_shards_swap_and_restore(ranks, saved):
+    per_rank = ranks.run(job_local_shards, saved("llama"), timeout=JOB_TIMEOUT_S)
+    for r in per_rank:
+        assert not isinstance(r, RankError), r
+        assert r["n"] > 0 and r["before"] and r["after"] and r["with_grad"]
+        assert not r["nested"] and not r["inner_exit"] and r["same_storage"]
 
 
 def test_set_head_map_under_tensor_parallel(ranks, saved):
