@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--threads", type=int, default=1,
                    help="torch.set_num_threads (default 1; on a loaded 2-core machine 1 thread was the fastest)")
     d.add_argument("--max-new-tokens", type=int, default=16)
-    d.add_argument("--head-map", help="a HeadMap .safetensors file instead of the shipped learned map")
+    d.add_argument("--head-map", help="a HeadMap .safetensors file instead of the shipped (calibrated) map")
     d.add_argument("--placeholder-map", action="store_true",
                    help="use the TidalDecode-like layer-level placeholder map (layers 0, 1 and the middle one)")
     d.add_argument("--non-strict", action="store_true", help="LycheeConfig(strict=False)")

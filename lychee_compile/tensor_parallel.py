@@ -223,8 +223,10 @@ class LocalLinearShards:
     local shard (same storage, no copy) and swapped back after: the graph computes the same products and issues
     the same collectives, with plain tensors as inputs. Nothing else (embeddings, norms) is touched.
 
-    A weight replaced after lychee_compile (`model.to(...)`, a new Parameter) is noticed by identity at the next
-    call and its shard taken again; in-place updates reach the shard through the shared storage."""
+    A weight replaced or moved after lychee_compile (a new Parameter; `model.to(...)`, which swaps a DTensor's
+    contents in place) is noticed at the next call -- by identity, and by the local tensor's storage, dtype and
+    device -- and its shard taken again; in-place updates reach the shard through the shared storage. One call at a
+    time per model (the swap is the model's state while it lasts), as generate() makes them."""
 
     def __init__(self, model):
         self.model = model
@@ -245,6 +247,12 @@ class LocalLinearShards:
                                     torch.nn.Parameter(p.to_local(), requires_grad=False)))
         return out
 
+    @staticmethod
+    def _stale(current, original, local) -> bool:
+        shard = getattr(original, "_local_tensor", None)
+        return (current is not original or shard is None or shard.data_ptr() != local.data_ptr()
+                or shard.dtype != local.dtype or shard.device != local.device)
+
     def __len__(self) -> int:
         return len(self.swaps)
 
@@ -253,7 +261,7 @@ class LocalLinearShards:
         if self.depth == 1:
             self.active = not torch.is_grad_enabled()
             if self.active:
-                if any(params.get(name) is not original for params, name, original, _ in self.swaps):
+                if any(self._stale(params.get(name), orig, local) for params, name, orig, local in self.swaps):
                     self.swaps = self._collect()
                 for params, name, _, local in self.swaps:
                     params[name] = local

@@ -123,6 +123,8 @@ def _queries(q, L):
 def test_dense_decode_opcheck(dtype, L):
     q, k, v, valid, _ = inputs(dtype=dtype)
     torch.library.opcheck(DENSE, (_queries(q, L), k, v, valid, 0.25))
+    ranges = torch.ops.lychee.valid_ranges(valid)
+    torch.library.opcheck(DENSE, (_queries(q, L), k, v, valid, 0.25, ranges))
 
 
 def test_valid_ranges_opcheck():

@@ -133,6 +133,9 @@ def job_local_shards(folder):
     out["same_storage"] = local.data_ptr() == weight["weight"].to_local().data_ptr()
     with torch.enable_grad(), shards:
         out["with_grad"] = isinstance(weight["weight"], DTensor)
+    model.to(torch.float64)                             # swaps the DTensors' contents in place: a new shard
+    with torch.no_grad(), shards:
+        out["moved"] = weight["weight"].dtype == torch.float64 and not isinstance(weight["weight"], DTensor)
     return out
 
 
@@ -260,7 +263,7 @@ def test_local_linear_shards_swap_and_restore(ranks, saved):
     for r in per_rank:
         assert not isinstance(r, RankError), r
         assert r["n"] > 0 and r["before"] and r["after"] and r["with_grad"]
-        assert not r["nested"] and not r["inner_exit"] and r["same_storage"]
+        assert not r["nested"] and not r["inner_exit"] and r["same_storage"] and r["moved"]
 
 
 def test_set_head_map_under_tensor_parallel(ranks, saved):

@@ -25,7 +25,9 @@ def score_heads(model, tokenizer, scorer: str, prompt_tokens: int, samples: int,
         from ..training.retrieval_score import retrieval_scores
         return retrieval_scores(model, tokenizer, data, progress)
     from ..training.trainer import TrainConfig, Trainer
-    cfg = TrainConfig(method="hardkuma", retrieval_heads=hardkuma_target, steps=hardkuma_steps, seed=seed)
+    # the target's warm-up path ends halfway, whatever the step count (a scorer's run is shorter than train-heads')
+    cfg = TrainConfig(method="hardkuma", retrieval_heads=hardkuma_target, steps=hardkuma_steps, seed=seed,
+                      target_warmup=max(1, hardkuma_steps // 2))
     trainer = Trainer(model, data, cfg, checkpoint=checkpoint)
     trainer.train(progress)
     return trainer.score_matrix()

@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
     p.add_argument("--policy-param", default="",
                    help="parameters of lychee-topp / lychee-threshold / lychee-ratio, e.g. topp=0.9,threshold=0.005,"
                         f"ratio=0.25 (each in (0, 1]; defaults {','.join(f'{k}={v:g}' for k, v in POLICY_DEFAULTS.items())})")
-    p.add_argument("--head-map", help="HeadMap file for lychee/duo/random (default: the shipped learned map, "
+    p.add_argument("--head-map", help="HeadMap file for lychee/duo/random (default: the shipped calibrated map, "
                                       "else the placeholder layers 0,1,15)")
     p.add_argument("--lengths", default="2048", help="passkey: comma-separated context lengths (default 2048)")
     p.add_argument("--depths", default=",".join(f"{d:g}" for d in DEPTHS), help="passkey: comma-separated depths")

@@ -106,17 +106,17 @@ def parse_policy_params(text: str | None) -> dict[str, float]:
 
 
 def default_head_map(model) -> tuple[HeadMap, str]:
-    """The learned map shipped in lychee_compile/data if there is one for this model, else the demo's placeholder
-    (whole layers 0, 1 and the middle one). Returns (map, where it came from)."""
+    """The map shipped in lychee_compile/data if there is one for this model (SmolLM2's: calibrated), else the demo's
+    placeholder (whole layers 0, 1 and the middle one). Returns (map, where it came from)."""
     path = resources.files("lychee_compile").joinpath("data", LEARNED_MAP)
     if os.path.exists(str(path)):
         hm = HeadMap.load(str(path))
         if hm.shape == model_geometry(model.config):
-            return hm, f"learned map {LEARNED_MAP} ({hm!r})"
+            return hm, f"shipped map {LEARNED_MAP} ({hm!r})"
     n_layers = model.config.num_hidden_layers
     layers = sorted({l for l in PLACEHOLDER_LAYERS if l < n_layers} | {n_layers // 2})
     hm = HeadMap.for_model(model, layers=layers, method="placeholder-layers")
-    return hm, f"PLACEHOLDER map (no learned map shipped): whole layers {layers} retrieval"
+    return hm, f"PLACEHOLDER map (no map shipped for this model): whole layers {layers} retrieval"
 
 
 def tidal_layers(n_layers: int) -> list[int]:

@@ -165,7 +165,9 @@ def _rewrite(ctx: PassContext, site: Site, slot: int, shared_valid: dict) -> Non
             valid.meta["nn_module_stack"] = site.output.meta.get("nn_module_stack", {})
             shared_valid[key] = valid
             if dense:       # the valid ranges once for every layer's dense_decode (its `ranges` says why)
-                shared_valid[(key, "ranges")] = graph.call_function(torch.ops.lychee.valid_ranges.default, (valid,))
+                ranges = graph.call_function(torch.ops.lychee.valid_ranges.default, (valid,))
+                ranges.meta["nn_module_stack"] = valid.meta["nn_module_stack"]
+                shared_valid[(key, "ranges")] = ranges
         kinds = None if dense else graph.call_function(kinds_slot, (ctx.kinds_input, slot))
         op, slot_name = _op_call(ctx, site, valid, kinds, slot, shared_valid.get((key, "ranges")))
         out = op if dense else graph.call_function(operator.getitem, (op, OUT))
