@@ -493,7 +493,7 @@ def time_row(cargs, variant, cache, case: dict, graphs: bool, row: str) -> dict:
         c = state.counters
         mine.update(decode_calls=c.decode_calls - calls0, sites_rewritten=c.sites_rewritten,
                     graphs_left_dense=c.graphs_left_dense, sites_on_kernel=c.sites_on_kernel,
-                    sites_on_reference=c.sites_on_reference)
+                    sites_on_reference=c.sites_on_reference, linears_fused=c.linears_fused)
     if not graphs:      # a CUDA graph's replay issues its collectives without the records the profiler counts
         mine["collectives"] = step_collectives(variant.model, variant.forward, cache, ctx, batch, device)
     if row in cargs.profile_list:

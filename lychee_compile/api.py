@@ -12,6 +12,7 @@ Order of work, so that bad input never leaves a half-changed model:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -27,7 +28,7 @@ from .install import STATE_ATTR, install
 from .lowering.kernel_path import refuse_probe_sites
 from .rectify import reencode_mode
 from .state_buffers import write_kinds
-from .tensor_parallel import agreed, kv_shard, process_group
+from .tensor_parallel import agreed, kv_shard, local_linear_shards, process_group
 from .passes import Counters, PassContext, run_passes
 from .passes.fuse_linears import sibling_groups
 
@@ -71,9 +72,6 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     if shard is not None:
         info("lychee_compile: %s", shard.describe())
         retrieval, streaming = shard.columns(retrieval), shard.columns(streaming)
-        if config.fuse_linears and not linear_groups:
-            info("lychee_compile: fuse_linears skipped: the decode graph's linears read DTensor shards, not the "
-                 "model's parameters")
     counters = Counters()
     snapshots: list[str] = []
 
@@ -197,6 +195,11 @@ def probe_global_layers(model, config: LycheeConfig) -> tuple[list[int], list, l
     found: list[PassContext] = []
     groups: list = []
     params = {id(p): p for p in model.parameters()}
+    # tensor parallel: the probe sees the Linear weights as the decode graphs will, as local shards (a group's
+    # members are then named by the model's DTensor parameters)
+    shards = local_linear_shards(model)
+    if shards is not None:
+        params.update(shards.owners())
 
     def probe_backend(gm, example_inputs, **kwargs):
         ctx = run_passes(PassContext(gm, model, config, None, counters, rewrite=False))
@@ -216,7 +219,7 @@ def probe_global_layers(model, config: LycheeConfig) -> tuple[list[int], list, l
         model.get_compiled_call = lambda _config: torch.compile(fresh_call(model, "lychee_probe_call"),
                                                                 backend=probe_backend,
                                                                 fullgraph=True)
-        with torch.no_grad():
+        with torch.no_grad(), (shards or contextlib.nullcontext()):
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
                            do_sample=False, cache_implementation="static", compile_config=compile_config,
                            pad_token_id=0, eos_token_id=None)

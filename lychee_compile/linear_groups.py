@@ -12,6 +12,11 @@ memory of their own, and the pass leaves those linears unfused); move the model 
 (`load_state_dict`, `param.copy_`), never by rebinding `param.data` (the compiled step would keep reading the
 buffer), and save weights from a model that did not go through lychee_compile (safetensors refuses tensors that
 share memory), or compile with LycheeConfig(fuse_linears=False).
+
+Tensor parallel: members may be DTensor parameters (transformers' TP); their local shards are what the decode graph
+multiplies (tensor_parallel.LocalLinearShards), so the buffer holds the local shards and each DTensor's local tensor
+is re-pointed at its rows -- the DTensor keeps its global shape and placements, and its eager forward reads the
+same memory.
 """
 from __future__ import annotations
 
@@ -28,12 +33,12 @@ def fuse_weights(model, groups: list[list[tuple]]) -> None:
     entries = []
     for i, members in enumerate(groups):
         w_attr = f"_lychee_linear_group_{i}"
-        _register(model, w_attr, _fused([w for w, _ in members]))
+        _register(model, w_attr, _fused([_values(w) for w, _ in members]))
         _repoint([w for w, _ in members], getattr(model, w_attr))
         b_attr = None
         if members[0][1] is not None:
             b_attr = f"_lychee_linear_bias_{i}"
-            _register(model, b_attr, _fused([b for _, b in members]))
+            _register(model, b_attr, _fused([_values(b) for _, b in members]))
             _repoint([b for _, b in members], getattr(model, b_attr))
         entries.append((str(i), w_attr, b_attr))
     setattr(model, GROUPS_ATTR, entries)
@@ -68,9 +73,14 @@ def _register(model, attr: str, value: torch.Tensor) -> None:
     torch._dynamo.mark_static_address(getattr(model, attr))
 
 
+def _values(p: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding this rank's values of a parameter: itself, or a DTensor's local shard."""
+    return p._local_tensor if hasattr(p, "_local_tensor") else p
+
+
 def _repoint(params, buf: torch.Tensor) -> None:
     row = 0
     for p in params:
-        n = p.shape[0]
-        p.data = buf[row:row + n]         # a view: same shape and values, the buffer's memory
+        n = _values(p).shape[0]
+        _values(p).data = buf[row:row + n]         # a view: same shape and values, the buffer's memory
         row += n

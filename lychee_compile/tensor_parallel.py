@@ -253,6 +253,10 @@ class LocalLinearShards:
         return (current is not original or shard is None or shard.data_ptr() != local.data_ptr()
                 or shard.dtype != local.dtype or shard.device != local.device)
 
+    def owners(self) -> dict:
+        """id(local-shard Parameter) -> the model's DTensor parameter it stands for."""
+        return {id(local): original for _, _, original, local in self.swaps}
+
     def __len__(self) -> int:
         return len(self.swaps)
 

@@ -97,7 +97,8 @@ def job_generate(folder, api, retrieval, config, swap=None):
     state = state_of(model)
     first = _run(model)
     result = dict(first, heads=state.shard.heads, kinds=tuple(model._lychee_kinds.shape),
-                  counters=state.counters.as_dict(), dtensor_params=_dtensor_params(model))
+                  counters=state.counters.as_dict(), dtensor_params=_dtensor_params(model),
+                  in_group_buffers=_in_group_buffers(model))
     if swap is not None:
         graphs = state.counters.graphs
         set_head_map(model, HeadMap(swap).with_model_metadata(model))
@@ -114,6 +115,14 @@ def _dtensor_params(model) -> dict:
             if isinstance(p, DTensor):
                 out["linear" if isinstance(module, torch.nn.Linear) else "other"] += 1
     return dict(out)
+
+
+def _in_group_buffers(model) -> int:
+    """How many nn.Linear DTensor weights hold their local shard in a fused group buffer (fuse_linears)."""
+    from lychee_compile.linear_groups import GROUPS_ATTR
+    buffers = {getattr(model, w_attr).untyped_storage().data_ptr() for _, w_attr, _ in getattr(model, GROUPS_ATTR)}
+    return sum(m.weight._local_tensor.untyped_storage().data_ptr() in buffers
+               for m in model.modules() if isinstance(m, torch.nn.Linear) and hasattr(m.weight, "_local_tensor"))
 
 
 def job_local_shards(folder):
@@ -209,6 +218,9 @@ def _assert_heads_split(per_rank, n_kv):
         # model holds its DTensors again after generate()
         assert r["dtensor_params"].get("linear", 0) > 0
         assert r["counters"]["dtensor_inputs"] <= r["dtensor_params"].get("other", 0)
+        # fuse_linears under TP: the sibling linears' local shards live in group buffers (the DTensors' local tensors
+        # re-pointed, no copy kept) and the decode graph multiplies each group once
+        assert r["in_group_buffers"] > 0 and r["counters"]["linears_fused"] >= r["in_group_buffers"]
 
 
 def _transformers_before(version: str) -> bool:
