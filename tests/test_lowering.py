@@ -228,6 +228,23 @@ def test_lowering_row_extent_once_per_mask(inductor_triton_on_cpu):
     assert torch.equal(idx.cpu(), i2)
 
 
+def test_lowering_row_extent_of_long_rows_accumulates_in_one_integer_type(inductor_triton_on_cpu):
+    # rows long enough for a looped reduction (4096 positions): its accumulators start in the type its loop assigns
+    # (int64); int32 ones, re-assigned int64 in the loop, made Triton refuse the kernel on the GPU at 8K+ (torch 2.11)
+    import re
+    from torch._inductor.utils import run_and_get_code
+    register()
+    args = _case(T=4096)
+    (out, idx), codes = run_and_get_code(torch.compile(_layer, backend="inductor", fullgraph=True), *args)
+    kernels = "\n".join(codes).split("async_compile.triton(")
+    looped = [k for k in kernels if "def triton_red_" in k and "for r0_offset in" in k]
+    assert looped, "expected the row extent as a looped reduction"
+    for kernel in looped:
+        setup = kernel.split("for r0_offset in")[0]
+        assert "tl.int64)" in setup and not re.search(r"_tmp\d+ = tl\.full\(.*tl\.int32\)", setup), setup
+    _check(out, idx, args)
+
+
 def _record_lowering(monkeypatch) -> list:
     """The lowering's choices while Inductor compiles, in order: template names, "fallback" for the reference."""
     from lychee_compile.lowering import compat, lower

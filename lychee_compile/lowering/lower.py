@@ -81,17 +81,21 @@ def _row_extent(valid, T, device):
     """ROWLO, ROWHI int32 [B] (first valid position, one past the last; (0, 0) for an empty row) and TVP int32 [1]
     (the longest row end) as Inductor IR: reductions over VALID once per graph (_row_inputs) instead of every kernel
     program scanning the row. standalone.row_extent is the eager twin."""
+    # The reductions run in int64, the index type of a looped reduction's positions: with int32 accumulators,
+    # Inductor (torch 2.11) emitted a looped reduction (rows of >= 8K positions) whose accumulator starts int32 and
+    # is re-assigned int64 in the loop, which Triton refuses to compile.
     aten, L = torch.ops.aten, compat.lowerings
-    pos = L[torch.ops.prims.iota.default](T, start=0, step=1, dtype=torch.int32, device=device,
+    pos = L[torch.ops.prims.iota.default](T, start=0, step=1, dtype=torch.int64, device=device,
                                           requires_grad=False)                              # [T]
-    hi = L[aten.amax.default](L[aten.where.self](valid, L[aten.add.Tensor](pos, 1), _int32(0, device)), [1])
-    lo = L[aten.amin.default](L[aten.where.self](valid, pos, _int32(2**30, device)), [1])
+    hi = L[aten.amax.default](L[aten.where.self](valid, L[aten.add.Tensor](pos, 1), _int64(0, device)), [1])
+    lo = L[aten.amin.default](L[aten.where.self](valid, pos, _int64(2**30, device)), [1])
     lo = L[aten.minimum.default](lo, hi)                                                    # empty row: 0
+    lo, hi = (compat.to_dtype(x, torch.int32) for x in (lo, hi))
     return [compat.realize(x) for x in (lo, hi, L[aten.amax.default](hi, [0], True))]
 
 
-def _int32(value: int, device):
-    return compat.lowerings[torch.ops.aten.scalar_tensor.default](value, dtype=torch.int32, device=device)
+def _int64(value: int, device):
+    return compat.lowerings[torch.ops.aten.scalar_tensor.default](value, dtype=torch.int64, device=device)
 
 
 def hybrid_decode_lowering(*args, **kwargs):
