@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     numerics = parse_numerics(args.numerics)
     hm = HeadMap.load(args.head_map)
-    budget = args.budget or int(hm.metadata.get("recommended_budget") or 0)
+    budget = args.budget or hm.recommended_budget
     if not budget:
         raise SystemExit(f"{args.head_map} records no recommended budget: give --budget")
     model, tok, entry = load_eval_model(args.model, progress=False)
