@@ -16,8 +16,9 @@ whole layers (eval/methods.py).
 
 Writes into --out: long_context.json (settings, per length the budgets and bytes of every method, every task's
 results and summary), long_context.md (one accuracy table: methods x task@length, with budgets and bytes), and
-passkey_heatmaps.png (one heatmap per method, depth x length). --max-seconds stops before a (length, task) that would
-start past it; what ran is written after every task.
+passkey_heatmaps.png (one heatmap per method, depth x length). Each length scores every task's prompts in one run,
+so each method compiles once per length; --max-seconds stops before a length that would start past it; what ran is
+written after every length.
 """
 from __future__ import annotations
 
@@ -76,6 +77,25 @@ def items_for(task: str, tok, length: int, args, chat_template: bool):
         depths = [float(d) for d in args.depths.split(",")]
         return passkey_items(tok, [length], depths, args.trials, args.seed, chat_template=chat_template)
     return RULER_TASKS[task](tok, length, args.prompts, seed=args.seed)
+
+
+def score_tasks(model, tok, specs, tasks: list[str], length: int, args, chat: bool, numerics) -> dict:
+    """{task: run_eval results with its summary}: every task's prompts of this length in ONE run_eval, so each method
+    compiles once per length (a run_eval per task would build and compile every variant again)."""
+    import dataclasses
+
+    from lychee_compile.eval.runner import run_eval, summarize
+    items = [dataclasses.replace(it, meta=dict(it.meta, task=task))
+             for task in tasks for it in items_for(task, tok, length, args, chat)]
+    res = run_eval(model, tok, items, specs, progress=False, task="+".join(tasks), numerics=numerics)
+    out = {}
+    for task in tasks:
+        part = dict(res, task=task, records=[r for r in res["records"] if r["task"] == task])
+        part["summary"] = summarize(part)
+        for r in part["records"]:
+            r.pop("sparsity", None)
+        out[task] = part
+    return out
 
 
 def heatmaps(per_length: list[dict], path: str) -> None:
@@ -160,7 +180,6 @@ def main(argv=None) -> int:
     from lychee_compile.eval.methods import method_spec
     from lychee_compile.eval.models import load_eval_model
     from lychee_compile.eval.numerics import parse_numerics
-    from lychee_compile.eval.runner import run_eval, summarize
     from lychee_compile.head_map import HeadMap
 
     t0 = time.perf_counter()
@@ -201,21 +220,17 @@ def main(argv=None) -> int:
         entry_l = dict(length=length, methods=rows, tasks={})
         results["lengths"].append(entry_l)
         print(f"== {length}: " + ", ".join(f"{r['label']} {100 * r['bytes_vs_dense']:.1f}%" for r in rows), flush=True)
-        for task in [t.strip() for t in args.tasks.split(",") if t.strip()]:
-            if time.perf_counter() - t0 > args.max_seconds:
-                entry_l["tasks"][task] = dict(skipped="--max-seconds")
-                continue
-            items = items_for(task, tok, length, args, chat)
-            res = run_eval(model, tok, items, specs, progress=False, task=task, numerics=numerics)
-            res["summary"] = summarize(res)
-            for r in res["records"]:
-                r.pop("sparsity", None)
-            entry_l["tasks"][task] = res
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        if time.perf_counter() - t0 > args.max_seconds:
+            entry_l["tasks"] = {t: dict(skipped="--max-seconds") for t in tasks}
+            continue
+        entry_l["tasks"] = score_tasks(model, tok, specs, tasks, length, args, chat, numerics)
+        for task, res in entry_l["tasks"].items():
             print(f"   {task} @ {length}: " + ", ".join(f"{s['label']} {100 * s.get('accuracy', 0):.0f}%"
                                                       for s in res["summary"]) +
                   f" ({time.perf_counter() - t0:.0f} s)", flush=True)
-            with open(os.path.join(args.out, "long_context.json"), "w") as f:
-                json.dump(results, f, indent=1, default=str)
+        with open(os.path.join(args.out, "long_context.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
     done = [dict(pl, tasks={k: v for k, v in pl["tasks"].items() if "summary" in v}) for pl in results["lengths"]]
     done = [pl for pl in done if pl["tasks"]]          # the JSON keeps what was skipped
     md = table(done)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from lychee_compile.ops.heat import heat_decode_step
 from lychee_compile.ops.quest import block_descriptors
@@ -150,3 +151,17 @@ def test_composite_traces_once_for_every_cache_length(kind):
     # The first length may call the backend twice: the static state's B / Hkv specialize the dynamic ones, and
     # Dynamo restarts that one compile. Later lengths must reuse the graph.
     assert backend_calls[0] >= 1 and backend_calls[1:] == [backend_calls[0]] * 2, backend_calls
+
+
+@pytest.mark.parametrize("kind", ["heat", "quest_all", "quest_sparse"])
+def test_composite_graph_holds_no_scan(kind):
+    # Inductor (torch 2.11) fuses a reduction such as row_start's argmax into the split-scan kernel of a long
+    # single-row cumsum, which it cannot generate ("NYI TritonSplitDimKernel reductions": Quest at batch 1 and 8K
+    # keys on a GPU). The composites' sink / local blocks come from positions, so their graphs hold no scan.
+    step = {"heat": _heat_step, "quest_all": _quest_step(1), "quest_sparse": _quest_step(2)}[kind]
+    q, k, v, valid, idx = step_inputs(0)
+    state = heat_state(0) if kind == "heat" else previous_step_state(k, valid)
+    gm = make_fx(step)(q, k, v, valid, RETRIEVAL, idx, state)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert "aten.argmax.default" in targets, "the graph lost row_start: this test would show nothing"
+    assert not [t for t in targets if "cum" in t], sorted(targets)

@@ -61,11 +61,15 @@ def block_sum(tok: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tens
 
 def sink_local_blocks(valid: torch.Tensor, block_size: int, num_blocks: int, sink_tokens: int, local_tokens: int):
     """Blocks holding the first `sink_tokens` / last `local_tokens` valid positions of each row: 2 x bool [B, nb].
-    Blocks are counted from position 0 of `valid`'s axis: pass it text-relative (block_masks does)."""
-    count = torch.cumsum(valid.to(torch.int64), dim=-1)         # [B, T] valid positions up to and incl. t
-    n_valid = count[..., -1:]                                   # [B, 1]
-    sink_tok = valid & (count <= sink_tokens)
-    local_tok = valid & (count > n_valid - local_tokens)
+    Blocks are counted from position 0 of `valid`'s axis: pass it text-relative (block_masks does), so each row's
+    valid positions are [0, n) (row_alignment.py) and the i-th valid position is position i."""
+    # Positions, not a running count (cumsum): the Quest and heat composites trace this into their decode graphs,
+    # and Inductor (torch 2.11) fused row_start's argmax into the split-scan kernel of a long single-row cumsum,
+    # which it cannot generate ("NYI TritonSplitDimKernel reductions").
+    t = torch.arange(valid.shape[-1], device=valid.device)                        # [T]
+    n_valid = valid.sum(dim=-1, keepdim=True)                                     # [B, 1]
+    sink_tok = valid & (t < sink_tokens)
+    local_tok = valid & (t >= n_valid - local_tokens)
     return block_any(sink_tok, block_size, num_blocks), block_any(local_tok, block_size, num_blocks)
 
 
