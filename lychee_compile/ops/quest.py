@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from .row_alignment import row_start, to_text
+from .row_alignment import row_range, row_start, to_text
 
 QUEST_MODES = {"off": 0, "all": 1, "sparse": 2}
 
@@ -101,9 +101,8 @@ def fold_recent_keys_(desc: torch.Tensor, slot: int, k: torch.Tensor, valid: tor
                          f"{block_size} must cover the cache).")
     dev = k.device
     count = -(-(n - 1) // block_size) + 1                                          # blocks n positions can touch
-    pos = torch.arange(T, device=dev)
-    newest = torch.where(valid, pos, -1).amax(-1)                                  # [B]; -1: no valid key
-    lo = row_start(valid)                                                          # [B]; 0: no valid key
+    lo, n_valid = row_range(valid)                                                 # [B]; (0, 0): no valid key
+    newest = lo + n_valid - 1                                                      # [B]; -1: no valid key
     last = (newest - lo).clamp_min(0) // block_size                                # [B] text-relative
     first = (newest - lo - (n - 1)).clamp_min(0) // block_size                     # [B]
     blk = torch.minimum(first[:, None] + torch.arange(count, device=dev), last[:, None])   # [B, count]

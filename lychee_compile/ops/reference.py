@@ -34,7 +34,7 @@ from . import sparsity
 from .index_state import EMPTY, INDEX_DTYPE
 from .quest import QUEST_MODES, block_min_max, fold_newest_key_, quest_bound
 from .policies import POLICIES, rank_score, ranked_selection, select_top_blocks
-from .row_alignment import row_start, to_cache, to_text
+from .row_alignment import row_range, row_start, to_cache, to_text
 
 
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -59,25 +59,28 @@ def block_sum(tok: torch.Tensor, block_size: int, num_blocks: int) -> torch.Tens
     return padded.unflatten(-1, (num_blocks, block_size)).sum(dim=-1)
 
 
-def sink_local_blocks(valid: torch.Tensor, block_size: int, num_blocks: int, sink_tokens: int, local_tokens: int):
-    """Blocks holding the first `sink_tokens` / last `local_tokens` valid positions of each row: 2 x bool [B, nb].
+def sink_local_blocks(valid: torch.Tensor, block_size: int, num_blocks: int, sink_tokens: int, local_tokens: int,
+                      n_valid: torch.Tensor | None = None):
+    """Blocks holding the first `sink_tokens` / last `local_tokens` valid positions of each row: valid bool [..., T]
+    -> 2 x bool [..., nb].
     Blocks are counted from position 0 of `valid`'s axis: pass it text-relative (block_masks does), so each row's
-    valid positions are [0, n) (row_alignment.py) and the i-th valid position is position i."""
-    # Positions, not a running count (cumsum): the Quest and heat composites trace this into their decode graphs,
-    # and Inductor (torch 2.11) fused row_start's argmax into the split-scan kernel of a long single-row cumsum,
-    # which it cannot generate ("NYI TritonSplitDimKernel reductions").
+    valid positions are [0, n) (row_alignment.py) and the i-th valid position is position i. n_valid int [...]:
+    n when known (else valid's sum)."""
+    # Positions, not a running count (cumsum): a scan in the Quest / heat decode graphs met an Inductor bug
+    # (row_alignment.row_range says which).
     t = torch.arange(valid.shape[-1], device=valid.device)                        # [T]
-    n_valid = valid.sum(dim=-1, keepdim=True)                                     # [B, 1]
+    n = valid.sum(dim=-1, keepdim=True) if n_valid is None else n_valid[..., None]   # [..., 1]
     sink_tok = valid & (t < sink_tokens)
-    local_tok = valid & (t >= n_valid - local_tokens)
+    local_tok = valid & (t >= n - local_tokens)
     return block_any(sink_tok, block_size, num_blocks), block_any(local_tok, block_size, num_blocks)
 
 
 def block_masks(valid: torch.Tensor, block_size: int, num_blocks: int, sink_tokens: int, local_tokens: int):
     """(valid_blk, fixed_blk) bool [B, nb] of valid bool [B, T] (cache positions), in text-relative blocks: blocks
     holding a valid position; sink | local blocks (every head attends them, no index row stores them)."""
-    text = to_text(valid, row_start(valid), fill=False)
-    sink_blk, local_blk = sink_local_blocks(text, block_size, num_blocks, sink_tokens, local_tokens)
+    lo, n = row_range(valid)
+    text = to_text(valid, lo, fill=False)
+    sink_blk, local_blk = sink_local_blocks(text, block_size, num_blocks, sink_tokens, local_tokens, n)
     return block_any(text, block_size, num_blocks), sink_blk | local_blk
 
 

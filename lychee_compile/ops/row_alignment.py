@@ -15,9 +15,20 @@ from __future__ import annotations
 import torch
 
 
+def row_range(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """valid bool [B, T] -> (lo, n) int64 [B]: each row's first valid position and its number of valid positions
+    (one range [lo, lo + n)); (0, 0) for a row without one."""
+    # Through lychee::valid_ranges, an op opaque to Inductor: the Quest and heat composites trace this into their
+    # decode graphs, and Inductor (torch 2.11) miscompiled the mask reductions fused there at batch 1 and 8K keys
+    # (a split-scan kernel with a reduction fused in; a split reduction's second stage inside a pointwise kernel).
+    start, end = torch.ops.lychee.valid_ranges(valid).to(torch.int64)                        # [B] each
+    has = torch.gather(valid, -1, start[:, None])[:, 0]                                      # an empty row: False
+    return start, torch.where(has, end - start, torch.zeros_like(start))
+
+
 def row_start(valid: torch.Tensor) -> torch.Tensor:
     """valid bool [B, T] -> int64 [B]: each row's first valid position (0 for a row without one)."""
-    return valid.to(torch.uint8).argmax(dim=-1)       # the first maximum: documented torch behaviour
+    return row_range(valid)[0]
 
 
 def shift_positions(x: torch.Tensor, offset: torch.Tensor, dim: int = -1, fill=0) -> torch.Tensor:
