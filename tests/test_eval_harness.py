@@ -82,6 +82,22 @@ def test_default_head_map_is_placeholder_or_learned():
     assert hm.shape == (3, 2) and "PLACEHOLDER" in where and hm.retrieval[[0, 1]].all()
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_default_head_map_is_the_certified_shipped_map_made_for_the_models_config(name, monkeypatch):
+    from lychee_compile import head_map as head_map_module
+    from lychee_compile.training import load_shipped_map
+    shipped = load_shipped_map(name)
+    assert shipped.metadata["calibration_status"] == "certified" and shipped.recommended_budget
+    model = make("llama")                       # stands in for the model: only its config's fingerprint is read
+    monkeypatch.setattr(head_map_module, "config_fingerprint",
+                        lambda config: shipped.metadata["config_fingerprint"])
+    hm, where = methods.default_head_map(model)
+    assert f"shipped map {name}.safetensors" in where
+    assert torch.equal(hm.retrieval, shipped.retrieval) and hm.recommended_budget == shipped.recommended_budget
+    monkeypatch.setattr(head_map_module, "config_fingerprint", lambda config: "another model")
+    assert "PLACEHOLDER" in methods.default_head_map(model)[1]
+
+
 def test_shared_weight_copy_shares_tensors():
     model = make("llama")
     copy_ = shared_weight_copy(model)

@@ -14,11 +14,31 @@ import json
 
 
 def tool_version() -> str:
+    """'lychee_compile VERSION, commit C' (the installed version, or 'source tree' when run from a checkout that is
+    not installed, as on the lent GPU; the commit when the package lives in a git checkout, '+changes' if dirty)."""
     from importlib import metadata
     try:
-        return f"lychee_compile {metadata.version('lychee_compile')}"
+        version = metadata.version("lychee_compile")
     except metadata.PackageNotFoundError:
-        return "lychee_compile (not installed: version unknown)"
+        version = "source tree"
+    commit = _commit()
+    return f"lychee_compile {version}" + (f", commit {commit}" if commit else "")
+
+
+def _commit() -> str | None:
+    import os
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+changes" if dirty else "")
 
 
 def _quality(cert: dict) -> dict:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from importlib import resources
 
 import torch
 
@@ -49,7 +48,6 @@ UNAVAILABLE: dict[str, str] = {}
 if "quest" not in {f.name for f in __import__("dataclasses").fields(LycheeConfig)}:   # older checkouts
     METHODS = METHODS[:-1]
     UNAVAILABLE["quest"] = "this LycheeConfig has no Quest bounds (LycheeConfig.quest)"
-LEARNED_MAP = "smollm2-135m.safetensors"        # lychee_compile/data/, the shipped (calibrated) map
 PLACEHOLDER_LAYERS = (0, 1, 15)                 # the demo's placeholder (cli.PLACEHOLDER_LAYERS)
 
 
@@ -106,13 +104,14 @@ def parse_policy_params(text: str | None) -> dict[str, float]:
 
 
 def default_head_map(model) -> tuple[HeadMap, str]:
-    """The map shipped in lychee_compile/data if there is one for this model (SmolLM2's: calibrated), else the demo's
-    placeholder (whole layers 0, 1 and the middle one). Returns (map, where it came from)."""
-    path = resources.files("lychee_compile").joinpath("data", LEARNED_MAP)
-    if os.path.exists(str(path)):
-        hm = HeadMap.load(str(path))
-        if hm.shape == model_geometry(model.config):
-            return hm, f"shipped map {LEARNED_MAP} ({hm!r})"
+    """The certified map shipped in lychee_compile/data for this model's config if there is one (SmolLM2-135M,
+    Qwen2.5-Coder-0.5B: training.shipped_map_for), else the demo's placeholder (whole layers 0, 1 and the middle
+    one). Returns (map, where it came from)."""
+    from ..training import shipped_map_for
+    shipped = shipped_map_for(model)
+    if shipped is not None:
+        hm, path = shipped
+        return hm, f"shipped map {os.path.basename(path)} ({hm!r})"
     n_layers = model.config.num_hidden_layers
     layers = sorted({l for l in PLACEHOLDER_LAYERS if l < n_layers} | {n_layers // 2})
     hm = HeadMap.for_model(model, layers=layers, method="placeholder-layers")

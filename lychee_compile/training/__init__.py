@@ -13,9 +13,10 @@
     plots.py            E[z] per head over steps (heatmap) and the final map
     cli.py              `lychee train-heads`
 
-Shipped maps: shipped_map_path() / load_shipped_map() (lychee_compile/data/NAME.safetensors): "smollm2-135m", the
-package default, made and certified by `lychee calibrate` (its metadata: target, measured quality with intervals,
-recommended budget); "smollm2-135m-hardkuma", the HardKuma map this trainer learned (docs/quality.md compares them).
+Shipped maps: shipped_map_path() / load_shipped_map() (lychee_compile/data/NAME.safetensors): "smollm2-135m" (the
+package default) and "qwen2.5-coder-0.5b" (8K-32K), each made and certified by `lychee calibrate` (its metadata:
+target, measured quality with intervals, recommended budget); "smollm2-135m-hardkuma", the HardKuma map this trainer
+learned (docs/quality.md compares them). shipped_map_for(model): the certified one made for this model's config.
 """
 
 
@@ -29,3 +30,18 @@ def shipped_map_path(name: str = "smollm2-135m") -> str:
 def load_shipped_map(name: str = "smollm2-135m"):
     from ..head_map import HeadMap
     return HeadMap.load(shipped_map_path(name))
+
+
+def shipped_map_for(model):
+    """(map, path) of the certified shipped map made for `model` -- its metadata's config_fingerprint is that of
+    model.config (head_map.config_fingerprint: the architecture's shape fields, no model names) -- or None."""
+    import glob
+    import os
+
+    from ..head_map import HeadMap, config_fingerprint
+    want = config_fingerprint(model.config)
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(shipped_map_path()), "*.safetensors"))):
+        hm = HeadMap.load(path)
+        if hm.metadata.get("config_fingerprint") == want and hm.metadata.get("calibration_status") == "certified":
+            return hm, path
+    return None
