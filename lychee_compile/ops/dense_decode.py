@@ -118,13 +118,16 @@ def _segmented(rows, k_flat, v_flat, base, start, end, T: int, scale: float, att
     s = torch.arange(S, device=rows.device, dtype=torch.int32)
     first = start[:, None] + s * size[:, None]                            # [n, S]
     count = torch.minimum((prefix[:, None] - s * size[:, None]).clamp_min(0), size[:, None])   # [n, S]
-    seg_out, seg_lse = attend(rows[:, None].expand(n, S, L, G, D).reshape(n * S * L, G, D), k_flat, v_flat,
-                              _cumulative(n * S, L, rows.device), _closed((base[:, None] + first).reshape(-1)),
-                              count.reshape(-1), L, T, False, scale)
+    # No mask before the queries' own keys, so a sequence's L x G query rows are one head of L * G rows: each
+    # segment's keys are read once (as G heads FlashAttention-2 reads them G times, in row tiles of 128 of which L
+    # rows are used -- 32 of 128 for Llama-3 8B's G = 4 at rectify_every = 32).
+    seg_out, seg_lse = attend(rows[:, None].expand(n, S, L, G, D).reshape(n * S * L * G, 1, D), k_flat, v_flat,
+                              _cumulative(n * S, L * G, rows.device), _closed((base[:, None] + first).reshape(-1)),
+                              count.reshape(-1), L * G, T, False, scale)
     own_out, own_lse = attend(rows.reshape(n * L, G, D), k_flat, v_flat, _cumulative(n, L, rows.device),
                               _closed(base + end - L), torch.full_like(end, L), L, L, True, scale)
     outs = torch.cat([seg_out.view(n, S, L, G, D), own_out.view(n, 1, L, G, D)], 1).float()
-    lse = torch.cat([seg_lse.t().reshape(n, S, L, G), own_lse.t().reshape(n, 1, L, G)], 1)
+    lse = torch.cat([seg_lse.reshape(n, S, L, G), own_lse.t().reshape(n, 1, L, G)], 1)   # seg_lse [1, n*S*L*G]
     keys = torch.cat([count, torch.full_like(end[:, None], L)], 1)          # [n, S + 1] keys of each segment
     # a segment with no key weighs nothing, whatever log-sum-exp the kernel wrote for it (FlashAttention-2: +inf)
     lse = torch.where((keys > 0)[:, :, None, None] & torch.isfinite(lse), lse, float("-inf"))
