@@ -93,6 +93,9 @@ def parse(argv=None):
     g.add_argument("--rectify-every", type=int, default=32, help="the rectified row (the other row is off)")
     g.add_argument("--rectify-prompts", type=int, default=1,
                    help="prompts (text windows) of the rectification part; only prompt 0 is timed")
+    g.add_argument("--rectify-batch", type=int, default=1,
+                   help="prompts per generate() call and teacher-forced batch in the rectification part (> 1: "
+                        "equal-length windows decoded together; nothing timed)")
     g.add_argument("--evolve-rect-budget", type=int, default=256)
     g.add_argument("--evolve-new", type=int, default=1024)
     g.add_argument("--evolve-context", type=int, default=2048)
@@ -136,7 +139,7 @@ def _check_evolve(ap, args) -> None:
     bad = set(args.evolve_parts.split(",")) - set(PARTS)
     if bad:
         ap.error(f"unknown --evolve-parts {sorted(bad)}; choose from {PARTS}")
-    for name, low in (("rectify_every", 1), ("rectify_prompts", 1), ("quest_blocks", 0)):
+    for name, low in (("rectify_every", 1), ("rectify_prompts", 1), ("rectify_batch", 1), ("quest_blocks", 0)):
         if getattr(args, name) < low:
             ap.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     overlap = sorted(set(args.evolve_controls) & set(args.evolve_budgets))

@@ -138,3 +138,47 @@ def test_rectify_aggregate_finds_a_known_shift_and_skips_unfinished_prompts(benc
     assert p["teacher_forced_ppl_ratio_ci"] == pytest.approx((math.exp(0.2),) * 2)
     assert agg["variants"]["off"]["teacher_forced_ppl"] == pytest.approx(math.exp(0.1 + 0.05 * 2.5))
     assert agg["variants"]["off"]["teacher_forced_agreement"] == pytest.approx(0.99 - 0.02 * 2.5)
+
+
+def test_rectify_batch_option_parses_and_is_checked(bench):
+    real_gpu, _ = bench
+    assert _parse(real_gpu).rectify_batch == 1 and _parse(real_gpu, "--rectify-batch", "8").rectify_batch == 8
+    with pytest.raises(SystemExit):
+        _parse(real_gpu, "--rectify-batch", "0")
+
+
+class _Tok:
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def test_batched_rectify_prompts_equal_them_one_by_one(bench):
+    """_rect_batch (prompts decoded together) gives each prompt the record _rect_prompt gives it alone, and the
+    rectified variant re-encodes in both its generate() call and its teacher-forced scoring."""
+    import torch
+
+    from lychee_compile import HeadMap
+    from lychee_compile.eval.methods import method_spec
+    from lychee_compile.eval.scoring import Variant
+    from lychee_compile.eval.tasks import Item
+    from real_gpu_stages.quality import renamed
+    _, evolve = bench
+    torch.manual_seed(0)
+    model = make("llama")
+    retrieval = torch.zeros(3, 2, dtype=torch.bool)
+    retrieval[0] = True
+    spec = method_spec("lychee", model, 16, HeadMap(retrieval).with_model_metadata(model), block_size=4,
+                       sink_tokens=4, local_tokens=4)
+    variants = {f"r{e}": Variant.build(model, renamed(spec, f"lychee-rect{e}", rectify_every=e)) for e in (0, 4)}
+    items = [Item(torch.randint(3, 120, (1, 40)), [], 0, dict(start=s)) for s in (0, 1)]
+    n_new = 10
+    batched = evolve._rect_batch(0, items, model, model, variants, _Tok(), n_new, "cpu")
+    alone = [evolve._rect_prompt(i, it, model, model, variants, _Tok(), n_new, "cpu") for i, it in enumerate(items)]
+    for b, a in zip(batched, alone):
+        assert b["index"] == a["index"] and b["batch"] == 2
+        for key in variants:
+            for f in ("teacher_forced_agreement", "free_run_equal_prefix", "free_run_equal_total"):
+                assert b[key][f] == a[key][f], (key, f)
+            assert b[key]["teacher_forced_nll"] == pytest.approx(a[key]["teacher_forced_nll"], abs=1e-4)
+        assert b["r0"]["rectify_passes_generate"] == b["r0"]["rectify_passes_teacher_forced"] == 0
+        assert b["r4"]["rectify_passes_generate"] == b["r4"]["rectify_passes_teacher_forced"] == (n_new - 1) // 4

@@ -21,6 +21,8 @@ Parts (--evolve-parts; default both; one part per call when a device time box ca
      agreement = argmax equals the dense token; NLL of the dense tokens;
    - free-running greedy generation: tokens equal to dense (prefix and total) and the dense model's perplexity of
      the generated text;
+   With --rectify-batch N > 1 the prompts go N at a time (equal-length windows: one generate() call per variant and
+   one teacher-forced batch, calibrate/batch_scoring.batch_steps) and nothing is timed.
    - prompt 0 only (GPU time): amortized time per token, a warm generate() call's wall time minus a 1-token
      generate() (≈ the prefill), divided by the new tokens (rectification passes included). The other prompts
      generate once.
@@ -174,15 +176,22 @@ def _rectify(args, hm, res, report, dl, device) -> None:
                                 prompts_asked=len(items), prompt_starts=starts,
                                 overlapping_windows=_overlaps(starts, args.evolve_context), timed_prompt=0,
                                 records=[])
+    out["batch"] = args.rectify_batch
+    if args.rectify_batch > 1:
+        out["timed_prompt"] = None
     try:
-        for i, item in enumerate(items):
+        for i in range(0, len(items), args.rectify_batch):
             dl.check(f"before rectify prompt {i}")
             t0 = time.perf_counter()
-            out["records"].append(_rect_prompt(i, item, dense, base, variants, tok, args.evolve_new, device))
+            chunk = items[i:i + args.rectify_batch]
+            if args.rectify_batch == 1:
+                out["records"].append(_rect_prompt(i, chunk[0], dense, base, variants, tok, args.evolve_new, device))
+            else:
+                out["records"] += _rect_batch(i, chunk, dense, base, variants, tok, args.evolve_new, device)
             out["aggregate"] = rectify_aggregate(out["records"], *variants)
             report.save()
-            log(f"rectify prompt {i + 1}/{len(items)} ({time.perf_counter() - t0:.0f} s, {dl.left():.0f} s left): "
-                f"{_brief(out['records'][-1], variants)}; aggregate {out['aggregate']}")
+            log(f"rectify prompts {i + 1}-{i + len(chunk)}/{len(items)} ({time.perf_counter() - t0:.0f} s, "
+                f"{dl.left():.0f} s left): {_brief(out['records'][-1], variants)}; aggregate {out['aggregate']}")
     except TimeUp as exc:
         out["stopped"] = str(exc)
         report.save()
@@ -204,7 +213,7 @@ def _rect_prompt(i, item, dense, base, variants, tok, n_new, device) -> dict:
     """One prompt: the dense reference generation, then every variant on it. Prompt 0 is also timed."""
     ids = item.input_ids.to(device)
     timed = i == 0
-    dense_new, dense_t = _greedy(dense, ids, n_new) if timed else (_generate(dense, ids, n_new)[0], None)
+    dense_new, dense_t = _greedy(dense, ids, n_new) if timed else (_generate(dense, ids, n_new)[0][0], None)
     rec = dict(index=i, start=item.meta["start"], timed=timed,
                dense=dict(ms_per_token_amortized=dense_t, text_first_200_chars=tok.decode(dense_new[:200])[:200],
                           dense_ppl_of_generated=_dense_ppl(dense, ids, dense_new),
@@ -212,6 +221,34 @@ def _rect_prompt(i, item, dense, base, variants, tok, n_new, device) -> dict:
     for key, v in variants.items():
         rec[key] = _one_variant(base, dense, v, ids, dense_new, n_new, timed)
     return rec
+
+
+def _rect_batch(first, chunk, dense, base, variants, tok, n_new, device) -> list[dict]:
+    """_rect_prompt for len(chunk) equal-length prompts at once: each generate() call and the teacher-forced scoring
+    (calibrate/batch_scoring.batch_steps, through the variant's decode call and so its rectification) take the
+    whole batch; nothing is timed (the cost per token is benchmarks/e2e.py's)."""
+    from lychee_compile.calibrate.batch_scoring import batch_prefill, batch_steps
+    from lychee_compile.eval.tasks import Item
+    ids = torch.cat([it.input_ids for it in chunk]).to(device)                    # [B, P]: equal-length windows
+    dense_new, _ = _generate(dense, ids, n_new)
+    recs = [dict(index=first + b, start=it.meta["start"], timed=False, batch=len(chunk),
+                 dense=dict(ms_per_token_amortized=None, text_first_200_chars=tok.decode(new[:200])[:200],
+                            dense_ppl_of_generated=_dense_ppl(dense, ids[b:b + 1], new),
+                            note="HF generate() as-is on the batch (static cache; HF's own compile choice)"))
+            for b, (it, new) in enumerate(zip(chunk, dense_new))]
+    scored = [Item(it.input_ids, new, it.input_ids.shape[1] + n_new, it.meta) for it, new in zip(chunk, dense_new)]
+    for key, v in variants.items():
+        with _CountReencodes() as gen_passes:
+            free, _ = _generate(v.model, ids, n_new)
+        gen_graphs = _graphs(v)
+        pre = batch_prefill(base, scored)
+        with _CountReencodes() as tf_passes:
+            tf = batch_steps(v.sequence_call(), pre, dense_new, scratch=v.scratch)
+        del pre
+        for b, rec in enumerate(recs):
+            rec[key] = _variant_record(dense, ids[b:b + 1], dense_new[b], free[b], tf[b], None, _graphs(v),
+                                       gen_graphs, gen_passes.n, tf_passes.n, [n_new])
+    return recs
 
 
 def rectify_aggregate(records: list[dict], off: str, on: str) -> dict:
@@ -264,43 +301,52 @@ def _one_variant(base, dense, v, ids, dense_new, n_new, timed) -> dict:
     prompts so far (equal-length prompts: they should not grow after prompt 0)."""
     from lychee_compile.eval.scoring import dense_prefill, score_steps
     with _CountReencodes() as gen_passes:
-        new, ms = _greedy(v.model, ids, n_new) if timed else (_generate(v.model, ids, n_new)[0], None)
-    c = v.counters()
-    gen_graphs = dict(decode_graphs=c.decode_graphs, graphs=c.graphs, graphs_left_dense=c.graphs_left_dense)
+        new, ms = _greedy(v.model, ids, n_new) if timed else (_generate(v.model, ids, n_new)[0][0], None)
+    gen_graphs = _graphs(v)
     pre = dense_prefill(base, ids, ids.shape[1] + n_new)        # the cache size generate() uses
     with _CountReencodes() as tf_passes:
         tf = score_steps(v.sequence_call(), pre, dense_new)
-    same = (torch.tensor(new) == torch.tensor(dense_new)).long()
-    c = v.counters()
     # generate() (transformers 5.x) calls the decode step with a bool attention mask and no cache_position;
     # score_steps (lychee_compile/eval/scoring.py) passes a long mask and cache_position, so Dynamo guards fail
     # and the teacher-forced part compiles a second decode graph: "after_generate" is generate()'s own count.
+    return _variant_record(dense, ids, dense_new, new, tf, ms, _graphs(v), gen_graphs, gen_passes.n, tf_passes.n,
+                           [n_new, 1, n_new] if timed else [n_new])
+
+
+def _graphs(v) -> dict:
+    c = v.counters()
+    return dict(decode_graphs=c.decode_graphs, graphs=c.graphs, graphs_left_dense=c.graphs_left_dense)
+
+
+def _variant_record(dense, ids, dense_new, new, tf, ms, graphs, gen_graphs, gen_passes, tf_passes, calls) -> dict:
+    """One prompt's record of one variant: teacher-forced scores `tf` (TokenScores) on the dense tokens, its free
+    run `new` against them; ids [1, P] the prompt."""
+    same = (torch.tensor(new) == torch.tensor(dense_new)).long()
     return dict(teacher_forced_agreement=sum(tf.hits) / len(tf.hits), teacher_forced_nll=tf.nll,
                 teacher_forced_ppl=math.exp(tf.nll), free_run_equal_prefix=int(same.cumprod(0).sum()),
                 free_run_equal_total=int(same.sum()), dense_ppl_of_generated=_dense_ppl(dense, ids, new),
-                ms_per_token_amortized=ms, decode_graphs=c.decode_graphs, graphs=c.graphs,
-                graphs_left_dense=c.graphs_left_dense, after_generate=gen_graphs,
-                rectify_passes_generate=gen_passes.n, rectify_passes_teacher_forced=tf_passes.n,
-                generate_calls_new_tokens=[n_new, 1, n_new] if timed else [n_new])
+                ms_per_token_amortized=ms, **graphs, after_generate=gen_graphs,
+                rectify_passes_generate=gen_passes, rectify_passes_teacher_forced=tf_passes,
+                generate_calls_new_tokens=calls)
 
 
 def _generate(model, ids, n):
-    """(greedy new token ids, wall seconds) of one generate() call of exactly n new tokens."""
+    """(each row's greedy new token ids, wall seconds) of one generate() call of exactly n new tokens; ids [B, P]."""
     sync()
     t0 = time.perf_counter()
     with torch.no_grad():
         seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, cache_implementation="static")
     sync()
-    return seq[0, ids.shape[1]:].tolist(), time.perf_counter() - t0
+    return seq[:, ids.shape[1]:].tolist(), time.perf_counter() - t0
 
 
 def _greedy(model, ids, n_new):
     """(new token ids, amortized ms per new token of a warm call, prefill subtracted)."""
-    new, _ = _generate(model, ids, n_new)                       # compiles
+    new = _generate(model, ids, n_new)[0][0]                    # compiles
     _, t_prefill = _generate(model, ids, 1)
     again, t_all = _generate(model, ids, n_new)
-    if again != new:
+    if again[0] != new:
         raise AssertionError("two identical greedy generate() calls gave different tokens")
     return new, (t_all - t_prefill) / (n_new - 1) * 1e3
 
