@@ -2,8 +2,8 @@
 streaming, TidalDecode-style layer sharing and StreamingLLM, each baseline's budget solved so that its KV bytes per
 decode step are those of lychee at that context length.
 
-    python benchmarks/long_context.py --model qwen2.5-coder-0.5b --head-map calib/calibrated.safetensors \
-        --lengths 8192,16384,32768 --tasks passkey,multikey,vartrack --numerics kernels --out $OUT
+    python benchmarks/long_context.py --model qwen2.5-coder-0.5b --lengths 8192,16384,32768 \
+        --tasks passkey,multikey,vartrack --numerics kernels --out $OUT       # the shipped certified map
 
 Per context length T: lychee's bytes per step B(T) (calibrate/kv_bytes.py: K and V rows read, plus Quest's min/max
 block descriptors; the model's global layers from lychee_compile's probe); for each baseline the largest budget, in
@@ -15,7 +15,7 @@ lychee_compile/eval/ruler.py (--prompts each). Duo and random take the given map
 whole layers (eval/methods.py).
 
 Writes into --out: long_context.json (settings, per length the budgets and bytes of every method, every task's
-results and summary), long_context.md (one accuracy table: methods x task@length, with budgets and bytes), and
+results and summary, and the run's wall time, first-prompt times (compiles included) and counters), long_context.md (one accuracy table: methods x task@length, with budgets and bytes), and
 passkey_heatmaps.png (one heatmap per method, depth x length). Each length scores every task's prompts in one run,
 so each method compiles once per length; --max-seconds stops before a length that would start past it; what ran is
 written after every length.
@@ -79,9 +79,10 @@ def items_for(task: str, tok, length: int, args, chat_template: bool):
     return RULER_TASKS[task](tok, length, args.prompts, seed=args.seed)
 
 
-def score_tasks(model, tok, specs, tasks: list[str], length: int, args, chat: bool, numerics) -> dict:
-    """{task: run_eval results with its summary}: every task's prompts of this length in ONE run_eval, so each method
-    compiles once per length (a run_eval per task would build and compile every variant again)."""
+def score_tasks(model, tok, specs, tasks: list[str], length: int, args, chat: bool, numerics) -> tuple[dict, dict]:
+    """({task: its records, variants and summary}, the run's wall_s / first_item_s / counters): every task's prompts
+    of this length in ONE run_eval, so each method compiles once per length (a run_eval per task would build and
+    compile every variant again)."""
     import dataclasses
 
     from lychee_compile.eval.runner import run_eval, summarize
@@ -90,12 +91,12 @@ def score_tasks(model, tok, specs, tasks: list[str], length: int, args, chat: bo
     res = run_eval(model, tok, items, specs, progress=False, task="+".join(tasks), numerics=numerics)
     out = {}
     for task in tasks:
-        part = dict(res, task=task, records=[r for r in res["records"] if r["task"] == task])
+        part = dict(task=task, records=[r for r in res["records"] if r["task"] == task], variants=res["variants"])
         part["summary"] = summarize(part)
         for r in part["records"]:
             r.pop("sparsity", None)
         out[task] = part
-    return out
+    return out, {k: res[k] for k in ("wall_s", "first_item_s", "counters")}
 
 
 def heatmaps(per_length: list[dict], path: str) -> None:
@@ -161,7 +162,8 @@ def table(per_length: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--head-map", required=True, help="lychee's map (a calibrated one carries its budget)")
+    ap.add_argument("--head-map", default=None, help="lychee's map (a calibrated one carries its budget; default: "
+                                                     "the certified map shipped for the model)")
     ap.add_argument("--budget", type=int, default=None, help="lychee's budget (default: the map's recommended one)")
     ap.add_argument("--lengths", default="8192,16384,32768")
     ap.add_argument("--tasks", default="passkey,multikey,vartrack")
@@ -184,11 +186,18 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     numerics = parse_numerics(args.numerics)
-    hm = HeadMap.load(args.head_map)
+    model, tok, entry = load_eval_model(args.model, progress=False)
+    if args.head_map is None:
+        from lychee_compile.training import shipped_map_for
+        shipped = shipped_map_for(model)
+        if shipped is None:
+            raise SystemExit(f"no certified map ships for {entry.title}: give --head-map")
+        hm, args.head_map = shipped
+    else:
+        hm = HeadMap.load(args.head_map)
     budget = args.budget or hm.recommended_budget
     if not budget:
         raise SystemExit(f"{args.head_map} records no recommended budget: give --budget")
-    model, tok, entry = load_eval_model(args.model, progress=False)
     if hm.shape != (model.config.num_hidden_layers, model.config.num_key_value_heads):
         raise SystemExit(f"head map {hm.shape} does not match {entry.title}")
     global_layers, _, _ = probe_global_layers(model, LycheeConfig(budget=budget, backend="eager"))
@@ -224,7 +233,7 @@ def main(argv=None) -> int:
         if time.perf_counter() - t0 > args.max_seconds:
             entry_l["tasks"] = {t: dict(skipped="--max-seconds") for t in tasks}
             continue
-        entry_l["tasks"] = score_tasks(model, tok, specs, tasks, length, args, chat, numerics)
+        entry_l["tasks"], entry_l["run"] = score_tasks(model, tok, specs, tasks, length, args, chat, numerics)
         for task, res in entry_l["tasks"].items():
             print(f"   {task} @ {length}: " + ", ".join(f"{s['label']} {100 * s.get('accuracy', 0):.0f}%"
                                                       for s in res["summary"]) +

@@ -95,7 +95,11 @@ def test_default_head_map_is_the_certified_shipped_map_made_for_the_models_confi
     assert f"shipped map {name}.safetensors" in where
     assert torch.equal(hm.retrieval, shipped.retrieval) and hm.recommended_budget == shipped.recommended_budget
     monkeypatch.setattr(head_map_module, "config_fingerprint", lambda config: "another model")
-    assert "PLACEHOLDER" in methods.default_head_map(model)[1]
+    _, where = methods.default_head_map(model)
+    assert "PLACEHOLDER" in where and "another config fingerprint" not in where    # no shipped map is 3 x 2
+    monkeypatch.setattr(methods, "model_geometry", lambda config: shipped.shape)
+    _, where = methods.default_head_map(model)
+    assert f"{name}.safetensors has this shape but another config fingerprint" in where
 
 
 def test_shared_weight_copy_shares_tensors():

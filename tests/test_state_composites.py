@@ -153,21 +153,60 @@ def test_composite_traces_once_for_every_cache_length(kind):
     assert backend_calls[0] >= 1 and backend_calls[1:] == [backend_calls[0]] * 2, backend_calls
 
 
+_REDUCTIONS = ("argmax", "argmin", "amax", "amin", "sum", "any", "all", "cumsum", "cumprod", "max.", "min.")
+
+
+def _reduces_over(node, length: int) -> bool:
+    """Whether an aten node reduces (or scans) its first input over a dimension of size `length`."""
+    if not any(r in str(node.target) for r in _REDUCTIONS) or not node.args:
+        return False
+    shape = node.args[0].meta["val"].shape
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = range(len(shape)) if dims is None else [dims] if isinstance(dims, int) else dims
+    return any(shape[d % len(shape)] == length for d in dims)
+
+
 @pytest.mark.parametrize("kind", ["heat", "quest_all", "quest_sparse"])
-def test_composite_graph_reduces_the_mask_only_in_the_opaque_op(kind):
+@pytest.mark.parametrize("given_ranges", [False, True])
+def test_composite_graph_reduces_the_mask_only_in_the_opaque_op(kind, given_ranges):
     # Inductor (torch 2.11) miscompiled the mask reductions these composites fused at batch 1 and 8K keys on a GPU
     # (a split-scan kernel with a reduction fused in; a split reduction's second stage in a pointwise kernel). Their
-    # row ranges come from lychee::valid_ranges (opaque to Inductor), so no scan and no reduction over the cache
-    # positions of `valid` is left in the graph.
-    step = {"heat": _heat_step, "quest_all": _quest_step(1), "quest_sparse": _quest_step(2)}[kind]
+    # row ranges come from lychee::valid_ranges (opaque to Inductor; the rewrite passes one per graph as `ranges`),
+    # so nothing computed from `valid` is reduced or scanned over the cache positions in their graphs.
+    step = {"heat": heat_decode_step, "quest_all": quest_decode_step, "quest_sparse": quest_decode_step}[kind]
     q, k, v, valid, idx = step_inputs(0)
-    state = heat_state(0) if kind == "heat" else previous_step_state(k, valid)
-    gm = make_fx(step)(q, k, v, valid, RETRIEVAL, idx, state)
-    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    assert any("valid_ranges" in str(n.target) for n in calls)
+    T = valid.shape[1]
+    if kind == "heat":
+        tail = (heat_state(0), SCALE, BS, SINK, LOCAL, 0, 0.0, 0.8, 2)
+    else:
+        tail = (previous_step_state(k, valid), 1, SCALE, BS, SINK, LOCAL, 0, 0.0, 1 if kind == "quest_all" else 2, 1)
+
+    def traced(q, k, v, valid, retrieval, idx, state, ranges):
+        return step(q, k, v, valid, retrieval, idx, state, *tail[1:], ranges=ranges)
+    ranges = torch.ops.lychee.valid_ranges(valid) if given_ranges else None
+    gm = make_fx(traced)(q, k, v, valid, RETRIEVAL, idx, tail[0], ranges)
+    mask = [n for n in gm.graph.nodes if n.op == "placeholder"][3]              # valid, bool [B, T]
+    derived, todo = set(), [mask]
+    while todo:                                                                 # everything computed from valid
+        node = todo.pop()
+        for user in node.users:
+            if user not in derived:
+                derived.add(user)
+                todo.append(user)
+    calls = [n for n in derived if n.op == "call_function"]
+    assert sum("valid_ranges" in str(n.target) for n in calls) == (0 if given_ranges else 1)
     assert not [n.target for n in calls if "cum" in str(n.target)]
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    mask = placeholders[3]                                                    # valid, bool [B, T]
-    reduced = [str(n.target) for n in calls if mask in n.all_input_nodes and any(
-        r in str(n.target) for r in ("argmax", "amax", "amin", "sum", "any"))]
+    reduced = [str(n.target) for n in calls if _reduces_over(n, T)]
     assert not reduced, reduced
+
+
+def test_row_range_of_full_partial_and_empty_rows():
+    from lychee_compile.ops.row_alignment import row_range, row_start
+    valid = torch.zeros(4, 9, dtype=torch.bool)
+    valid[0] = True
+    valid[1, 3:7] = True
+    valid[2, 8] = True                                       # row 3: no valid position (valid_ranges: (0, T))
+    lo, n = row_range(valid)
+    assert lo.tolist() == [0, 3, 8, 0] and n.tolist() == [9, 4, 1, 0]
+    given = row_range(valid, torch.ops.lychee.valid_ranges(valid))
+    assert torch.equal(given[0], lo) and torch.equal(given[1], n) and torch.equal(row_start(valid), lo)

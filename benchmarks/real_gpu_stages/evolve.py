@@ -21,8 +21,6 @@ Parts (--evolve-parts; default both; one part per call when a device time box ca
      agreement = argmax equals the dense token; NLL of the dense tokens;
    - free-running greedy generation: tokens equal to dense (prefix and total) and the dense model's perplexity of
      the generated text;
-   With --rectify-batch N > 1 the prompts go N at a time (equal-length windows: one generate() call per variant and
-   one teacher-forced batch, calibrate/batch_scoring.batch_steps) and nothing is timed.
    - prompt 0 only (GPU time): amortized time per token, a warm generate() call's wall time minus a 1-token
      generate() (≈ the prefill), divided by the new tokens (rectification passes included). The other prompts
      generate once.
@@ -30,6 +28,9 @@ Parts (--evolve-parts; default both; one part per call when a device time box ca
    agreement and the pooled teacher-forced perplexity, and the paired rect - no-rect differences (same prompt) with
    bootstrap 95% intervals: agreement in points, teacher-forced perplexity ratio. The time box is checked between
    prompts, so a stopped run keeps every prompt it finished.
+   With --rectify-batch N > 1 the prompts go N at a time (equal-length windows: one generate() call per variant and
+   one teacher-forced batch, calibrate/batch_scoring.batch_steps) and nothing is timed; make --rectify-prompts a
+   multiple of N (a smaller last batch compiles every variant again).
 """
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ import json
 
 def tool_version() -> str:
     """'lychee_compile VERSION, commit C' (the installed version, or 'source tree' when run from a checkout that is
-    not installed, as on the lent GPU; the commit when the package lives in a git checkout, '+changes' if dirty)."""
+    not installed, as on the lent GPU; the commit when the package's files are tracked by a git checkout, '+changes'
+    if it has uncommitted changes)."""
     from importlib import metadata
     try:
         version = metadata.version("lychee_compile")
@@ -30,9 +31,12 @@ def _commit() -> str | None:
     import subprocess
     here = os.path.dirname(os.path.abspath(__file__))
     try:
+        # only a checkout of this package: not another project's repository that holds an installed copy
+        ours = subprocess.run(["git", "-C", here, "ls-files", "--error-unmatch", os.path.basename(__file__)],
+                              capture_output=True, text=True, timeout=10)
         head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               timeout=10)
-        if head.returncode:
+        if ours.returncode or head.returncode:
             return None
         dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10).stdout.strip()

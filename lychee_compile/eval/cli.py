@@ -48,8 +48,9 @@ def add_parser(sub) -> None:
                         "anyway)")
     p.add_argument("--method", default="dense,lychee",
                    help=f"comma-separated, from {','.join(METHODS)} (default dense,lychee)")
-    p.add_argument("--budget", default="512", help="comma-separated token budgets (default 512); for the policy "
-                                                   "methods the capacity: at most ceil(budget / 16) blocks kept")
+    p.add_argument("--budget", default=None, help="comma-separated token budgets (default: the head map's "
+                                                  "recommended budget, else 512); for the policy methods the "
+                                                  "capacity: at most ceil(budget / 16) blocks kept")
     p.add_argument("--policy-param", default="",
                    help="parameters of lychee-topp / lychee-threshold / lychee-ratio, e.g. topp=0.9,threshold=0.005,"
                         f"ratio=0.25 (each in (0, 1]; defaults {','.join(f'{k}={v:g}' for k, v in POLICY_DEFAULTS.items())})")
@@ -123,7 +124,7 @@ def run(args) -> int:
     else:
         hm, where = default_head_map(model)
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
-    budgets = _ints(args.budget)
+    budgets = _ints(args.budget) if args.budget else [hm.recommended_budget or 512]
     try:
         specs = []
         for m in methods:

@@ -107,7 +107,7 @@ def default_head_map(model) -> tuple[HeadMap, str]:
     """The certified map shipped in lychee_compile/data for this model's config if there is one (SmolLM2-135M,
     Qwen2.5-Coder-0.5B: training.shipped_map_for), else the demo's placeholder (whole layers 0, 1 and the middle
     one). Returns (map, where it came from)."""
-    from ..training import shipped_map_for
+    from ..training import certified_shipped_maps, shipped_map_for
     shipped = shipped_map_for(model)
     if shipped is not None:
         hm, path = shipped
@@ -115,7 +115,10 @@ def default_head_map(model) -> tuple[HeadMap, str]:
     n_layers = model.config.num_hidden_layers
     layers = sorted({l for l in PLACEHOLDER_LAYERS if l < n_layers} | {n_layers // 2})
     hm = HeadMap.for_model(model, layers=layers, method="placeholder-layers")
-    return hm, f"PLACEHOLDER map (no map shipped for this model): whole layers {layers} retrieval"
+    # a shipped map of this shape made for another config (e.g. the same model loaded another way): say so
+    near = [os.path.basename(p) for m, p in certified_shipped_maps() if m.shape == model_geometry(model.config)]
+    hint = f"; {', '.join(near)} has this shape but another config fingerprint (--head-map to use it)" if near else ""
+    return hm, f"PLACEHOLDER map (no map shipped for this model): whole layers {layers} retrieval{hint}"
 
 
 def tidal_layers(n_layers: int) -> list[int]:

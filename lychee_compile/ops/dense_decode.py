@@ -24,7 +24,8 @@ Names and shapes:
 On CUDA with fp16/bf16 it runs FlashAttention-2 varlen with `seqused_k` (no host sync, CUDA-graph safe): each
 (row, KV head) is one variable-length sequence starting at start_b with end_b - start_b keys, its queries a sequence
 whose G query heads are the heads of a multi-query group. With L > 1 the keys before the queries' own are cut into
-KEY_SEGMENTS sequences (no mask) plus the queries' own L keys (causal), merged by log-sum-exp (_segmented).
+KEY_SEGMENTS sequences (no mask; the L x G query rows as ONE head, so each segment's keys are read once) plus the
+queries' own L keys (causal, G heads), merged by log-sum-exp (_segmented).
 Elsewhere it runs the masked reference below.
 """
 from __future__ import annotations
@@ -59,8 +60,9 @@ KEY_SEGMENTS = 16
 
 @torch.library.custom_op("lychee::valid_ranges", mutates_args=())
 def valid_ranges(valid: torch.Tensor) -> torch.Tensor:
-    """Each row's valid range [start, end): bool [B, T] -> int32 [2, B] (no host sync). An op of its own, opaque to
-    Inductor: these eager reductions are the ones every dense_decode ran on the GPU before the rewrite shared them."""
+    """Each row's valid range [start, end): bool [B, T] -> int32 [2, B] (no host sync); a row with no valid position
+    gives (0, T) (row_alignment.row_range tells it apart). An op of its own, opaque to Inductor: eager reductions,
+    computed once per graph by the rewrite (Inductor on torch 2.11 miscompiled fused mask reductions at 8K keys)."""
     T = valid.shape[-1]
     v8 = valid.to(torch.int8)
     start = v8.argmax(dim=-1).to(torch.int32)                            # first valid position  [B]
@@ -74,7 +76,8 @@ def _(valid):
 
 
 def _flash_attend(rows, k_flat, v_flat, cu_q, cu_k, used, max_q: int, max_k: int, causal: bool, scale: float):
-    """FlashAttention-2 varlen: (out [total_q, G, D], lse [G, total_q] fp32; +inf where a sequence has no key)."""
+    """FlashAttention-2 varlen, rows [total_q, H, D] over one KV head: (out [total_q, H, D], lse [H, total_q] fp32;
+    +inf where a sequence has no key)."""
     out, lse = torch.ops.aten._flash_attention_forward(
         rows, k_flat, v_flat, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=used)[:2]
     return out, lse

@@ -35,10 +35,12 @@ from .reference import block_masks, heat_picks, heat_update, hybrid_decode_refer
 def heat_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
                      retrieval: torch.Tensor, idx_in: torch.Tensor, heat: torch.Tensor, scale: float,
                      block_size: int, sink_tokens: int, local_tokens: int, policy: int, policy_param: float,
-                     heat_decay: float, heat_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """lychee::hybrid_decode_heat as a composite: (out, idx_out, heat_out), heat fp32 [B, Hkv, NBH] in and out."""
+                     heat_decay: float, heat_blocks: int,
+                     ranges: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lychee::hybrid_decode_heat as a composite: (out, idx_out, heat_out), heat fp32 [B, Hkv, NBH] in and out.
+    ranges: lychee::valid_ranges(valid), given once per graph by the rewrite (computed here when None)."""
     nb = -(-k.shape[2] // block_size)
-    valid_blk, fixed_blk = block_masks(valid, block_size, nb, sink_tokens, local_tokens)          # [B, nb]
+    valid_blk, fixed_blk = block_masks(valid, block_size, nb, sink_tokens, local_tokens, ranges)  # [B, nb]
     extra = heat_picks(heat, sparse_set(idx_in, fixed_blk, nb), valid_blk, heat_blocks)         # [B, Hkv, KX]
     out, idx_out, mass = torch.ops.lychee.hybrid_decode_mass.default(
         q, k, v, valid, retrieval, idx_in, extra, scale, block_size, sink_tokens, local_tokens, policy, policy_param)

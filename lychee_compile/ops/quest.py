@@ -70,7 +70,8 @@ def block_descriptors(k: torch.Tensor, valid: torch.Tensor, block_size: int, num
     return torch.stack(block_min_max(k, valid, block_size, num_blocks), dim=3).to(descriptor_dtype(k.dtype))
 
 
-def fold_newest_key_(desc: torch.Tensor, slot: int, k: torch.Tensor, valid: torch.Tensor, block_size: int) -> None:
+def fold_newest_key_(desc: torch.Tensor, slot: int, k: torch.Tensor, valid: torch.Tensor, block_size: int,
+                     ranges: torch.Tensor | None = None) -> None:
     """One decode step of one layer, IN PLACE: in desc [B, Lg, H, NB, 2, D] (the whole descriptor buffer, the
     previous step's), slot `slot`'s block of each row's newest valid key, (hi - 1 - lo) // block_size
     (text-relative), is recomputed from k [B, H, T, D] (block_size keys); nothing else is written. A row with no
@@ -83,11 +84,11 @@ def fold_newest_key_(desc: torch.Tensor, slot: int, k: torch.Tensor, valid: torc
     index_put chain ending in a copy_ into that input, which it turns back into an in-place scatter of these
     B * H * 2 * D values.
     """
-    fold_recent_keys_(desc, slot, k, valid, block_size, 1)
+    fold_recent_keys_(desc, slot, k, valid, block_size, 1, ranges)
 
 
 def fold_recent_keys_(desc: torch.Tensor, slot: int, k: torch.Tensor, valid: torch.Tensor, block_size: int,
-                      n: int) -> None:
+                      n: int, ranges: torch.Tensor | None = None) -> None:
     """fold_newest_key_ for each row's `n` newest valid positions (a rectification's re-encode rewrote their keys):
     the ceil((n - 1) / block_size) + 1 blocks from the one holding position hi - n up to the newest key's are
     recomputed from k, in place; none past the newest key's block (a block index repeated there writes the same
@@ -101,7 +102,7 @@ def fold_recent_keys_(desc: torch.Tensor, slot: int, k: torch.Tensor, valid: tor
                          f"{block_size} must cover the cache).")
     dev = k.device
     count = -(-(n - 1) // block_size) + 1                                          # blocks n positions can touch
-    lo, n_valid = row_range(valid)                                                 # [B]; (0, 0): no valid key
+    lo, n_valid = row_range(valid, ranges)                                         # [B]; (0, 0): no valid key
     newest = lo + n_valid - 1                                                      # [B]; -1: no valid key
     last = (newest - lo).clamp_min(0) // block_size                                # [B] text-relative
     first = (newest - lo - (n - 1)).clamp_min(0) // block_size                     # [B]

@@ -36,14 +36,17 @@ from .reference import block_masks, descriptor_bound, hybrid_decode_reference, p
 def quest_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
                       retrieval: torch.Tensor, idx_in: torch.Tensor, desc: torch.Tensor, slot: int,
                       scale: float, block_size: int, sink_tokens: int, local_tokens: int, policy: int,
-                      policy_param: float, quest_mode: int, quest_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """lychee::hybrid_decode_quest as a composite that updates `desc[:, slot]` in place (module docstring)."""
+                      policy_param: float, quest_mode: int, quest_blocks: int,
+                      ranges: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """lychee::hybrid_decode_quest as a composite that updates `desc[:, slot]` in place (module docstring).
+    ranges: lychee::valid_ranges(valid), given once per graph by the rewrite (computed here when None)."""
     if quest_mode not in (QUEST_MODES["all"], QUEST_MODES["sparse"]):
         raise ValueError(f"quest_decode_step needs quest_mode 1 ('all') or 2 ('sparse'), got {quest_mode}.")
     nb = -(-k.shape[2] // block_size)
-    fold_newest_key_(desc, slot, k, valid, block_size)
+    ranges = torch.ops.lychee.valid_ranges(valid) if ranges is None else ranges                 # int32 [2, B]
+    fold_newest_key_(desc, slot, k, valid, block_size, ranges)
     bound = descriptor_bound(q, desc[:, slot], nb)                                                # [B, Hkv, nb]
-    valid_blk, fixed_blk = block_masks(valid, block_size, nb, sink_tokens, local_tokens)          # [B, nb]
+    valid_blk, fixed_blk = block_masks(valid, block_size, nb, sink_tokens, local_tokens, ranges)  # [B, nb]
     common = (scale, block_size, sink_tokens, local_tokens, policy, policy_param)
     if quest_mode == QUEST_MODES["all"]:
         # Every head is a sparse head on its own top-K (K = the index width); that selection is also idx_out.

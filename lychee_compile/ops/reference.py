@@ -75,10 +75,12 @@ def sink_local_blocks(valid: torch.Tensor, block_size: int, num_blocks: int, sin
     return block_any(sink_tok, block_size, num_blocks), block_any(local_tok, block_size, num_blocks)
 
 
-def block_masks(valid: torch.Tensor, block_size: int, num_blocks: int, sink_tokens: int, local_tokens: int):
+def block_masks(valid: torch.Tensor, block_size: int, num_blocks: int, sink_tokens: int, local_tokens: int,
+                ranges: torch.Tensor | None = None):
     """(valid_blk, fixed_blk) bool [B, nb] of valid bool [B, T] (cache positions), in text-relative blocks: blocks
-    holding a valid position; sink | local blocks (every head attends them, no index row stores them)."""
-    lo, n = row_range(valid)
+    holding a valid position; sink | local blocks (every head attends them, no index row stores them). ranges:
+    row_range's."""
+    lo, n = row_range(valid, ranges)
     text = to_text(valid, lo, fill=False)
     sink_blk, local_blk = sink_local_blocks(text, block_size, num_blocks, sink_tokens, local_tokens, n)
     return block_any(text, block_size, num_blocks), sink_blk | local_blk

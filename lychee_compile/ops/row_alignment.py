@@ -15,13 +15,16 @@ from __future__ import annotations
 import torch
 
 
-def row_range(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_range(valid: torch.Tensor, ranges: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """valid bool [B, T] -> (lo, n) int64 [B]: each row's first valid position and its number of valid positions
-    (one range [lo, lo + n)); (0, 0) for a row without one."""
+    (one range [lo, lo + n)); (0, 0) for a row without one. ranges: lychee::valid_ranges(valid) when the caller
+    has it (the rewrite computes it once per graph and passes it to every layer's op)."""
     # Through lychee::valid_ranges, an op opaque to Inductor: the Quest and heat composites trace this into their
     # decode graphs, and Inductor (torch 2.11) miscompiled the mask reductions fused there at batch 1 and 8K keys
     # (a split-scan kernel with a reduction fused in; a split reduction's second stage inside a pointwise kernel).
-    start, end = torch.ops.lychee.valid_ranges(valid).to(torch.int64)                        # [B] each
+    if ranges is None:
+        ranges = torch.ops.lychee.valid_ranges(valid)
+    start, end = ranges.to(torch.int64)                                                      # [B] each
     has = torch.gather(valid, -1, start[:, None])[:, 0]                                      # an empty row: False
     return start, torch.where(has, end - start, torch.zeros_like(start))
 

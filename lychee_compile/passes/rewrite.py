@@ -132,15 +132,20 @@ def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int, ranges=None)
     if ctx.heat_input is not None:
         heat = graph.call_function(layer_slot, (ctx.heat_input, slot))
         return call(heat_decode_step, **hybrid, heat=heat, heat_decay=float(cfg.heat_decay),
-                    heat_blocks=cfg.heat_blocks), "heat"
+                    heat_blocks=cfg.heat_blocks, ranges=ranges), "heat"
     if cfg.quest != "off":      # the whole buffer and the slot: the op writes one block per row into it
-        return call(quest_decode_step, **hybrid, **quest, desc=ctx.quest_input, slot=slot), None
+        return call(quest_decode_step, **hybrid, **quest, desc=ctx.quest_input, slot=slot, ranges=ranges), None
     return call(hybrid_decode_op(), **hybrid, **quest), None
 
 
 def _dense(ctx: PassContext) -> bool:
     """The sites become lychee::dense_decode (the flash_dense baseline, or a re-encode graph)."""
     return ctx.config.attention == "flash_dense" or ctx.reencode
+
+
+def _composite(ctx: PassContext) -> bool:
+    """The sites become heat_decode_step / quest_decode_step (plain tensor ops around one attention op)."""
+    return ctx.heat_input is not None or ctx.config.quest != "off"
 
 
 def _valid_key(site: Site) -> tuple:
@@ -164,7 +169,7 @@ def _rewrite(ctx: PassContext, site: Site, slot: int, shared_valid: dict) -> Non
                 valid = graph.call_function(VALID_FROM[site.mask_kind], (site.mask, site.q))
             valid.meta["nn_module_stack"] = site.output.meta.get("nn_module_stack", {})
             shared_valid[key] = valid
-            if dense:       # the valid ranges once for every layer's dense_decode (its `ranges` says why)
+            if dense or _composite(ctx):   # the valid ranges once for every layer's op (dense_decode's `ranges`)
                 ranges = graph.call_function(torch.ops.lychee.valid_ranges.default, (valid,))
                 ranges.meta["nn_module_stack"] = valid.meta["nn_module_stack"]
                 shared_valid[(key, "ranges")] = ranges

@@ -32,16 +32,24 @@ def load_shipped_map(name: str = "smollm2-135m"):
     return HeadMap.load(shipped_map_path(name))
 
 
-def shipped_map_for(model):
-    """(map, path) of the certified shipped map made for `model` -- its metadata's config_fingerprint is that of
-    model.config (head_map.config_fingerprint: the architecture's shape fields, no model names) -- or None."""
+def certified_shipped_maps():
+    """[(map, path)] of the maps in lychee_compile/data that `lychee calibrate` certified."""
     import glob
     import os
 
-    from ..head_map import HeadMap, config_fingerprint
-    want = config_fingerprint(model.config)
+    from ..head_map import HeadMap
+    found = []
     for path in sorted(glob.glob(os.path.join(os.path.dirname(shipped_map_path()), "*.safetensors"))):
         hm = HeadMap.load(path)
-        if hm.metadata.get("config_fingerprint") == want and hm.metadata.get("calibration_status") == "certified":
-            return hm, path
-    return None
+        if hm.metadata.get("calibration_status") == "certified":
+            found.append((hm, path))
+    return found
+
+
+def shipped_map_for(model):
+    """(map, path) of the certified shipped map made for `model` -- its metadata's config_fingerprint is that of
+    model.config (head_map.config_fingerprint: the architecture's shape fields, no model names) -- or None."""
+    from ..head_map import config_fingerprint
+    want = config_fingerprint(model.config)
+    return next(((hm, path) for hm, path in certified_shipped_maps()
+                 if hm.metadata.get("config_fingerprint") == want), None)
