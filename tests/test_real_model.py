@@ -64,3 +64,14 @@ def test_dense_passkey_1k(smollm2):
         prompt = build_passkey_prompt(tokenizer, 1000, depth=depth, seed=seed)
         result = run_passkey(model, tokenizer, prompt, max_new_tokens=12)
         assert result.correct, (depth, prompt.passkey, result.answer)
+
+
+def test_the_real_model_gets_its_certified_shipped_map(smollm2):
+    # the fingerprint match of the real config (as the package loads it), not a stand-in's
+    from lychee_compile.eval.methods import default_head_map
+    from lychee_compile.training import load_shipped_map
+    model, _ = smollm2
+    hm, where = default_head_map(model)
+    assert "shipped map smollm2-135m.safetensors" in where, where
+    assert hm.calibration["status"] == "certified" and hm.recommended_budget == 512
+    assert hm.metadata["config_fingerprint"] == load_shipped_map().metadata["config_fingerprint"]
