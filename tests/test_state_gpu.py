@@ -20,6 +20,8 @@ TOL = 5e-2                                           # bf16 logits of a tiny mod
 
 def _run(backend, feature, ids, mask, steps=24):
     model = make("llama", "sdpa").to("cuda", torch.bfloat16)
+    # the state buffers cover max_position_embeddings positions (rotary positions need no more than the default)
+    model.config.max_position_embeddings = max(model.config.max_position_embeddings, ids.shape[1] + steps + 64)
     retrieval = mixed_map(make("llama", "sdpa"))
     extra = dict(cuda_graphs=True) if backend == "inductor" else {}
     lychee_compile(model, HeadMap(retrieval).with_model_metadata(model),
@@ -45,3 +47,19 @@ def test_compiled_state_features_equal_the_reference_on_cuda(feature):
     assert (logits - ref_logits).abs().max().item() < TOL
     _, plain, _ = _run("inductor", "none", ids, mask)
     assert (plain - logits).abs().max().item() > 1e-3, f"{feature} must change the output here, or this shows nothing"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("feature", ["heat", "quest_sparse"])
+def test_state_features_compile_at_batch_1_and_8k_keys(feature):
+    # Inductor (torch 2.11) miscompiled these composites' mask reductions on rows of 8K+ keys at batch 1 (a reduction
+    # fused into a split-scan kernel; a split reduction's second stage in a pointwise kernel): their row ranges now
+    # come from one lychee::valid_ranges per graph.
+    torch.manual_seed(0)
+    ids = torch.randint(3, 120, (1, 8300), device="cuda")
+    mask = torch.ones_like(ids)
+    seq, logits, state = _run("inductor", feature, ids, mask, steps=6)
+    ref_seq, ref_logits, _ = _run("eager", feature, ids, mask, steps=6)
+    assert state.counters.decode_calls >= 5 and state.counters.sites_on_reference == 0
+    assert torch.equal(seq, ref_seq) and (logits - ref_logits).abs().max().item() < TOL
