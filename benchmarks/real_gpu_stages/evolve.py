@@ -246,9 +246,10 @@ def _rect_batch(first, chunk, dense, base, variants, tok, n_new, device) -> list
         with _CountReencodes() as tf_passes:
             tf = batch_steps(v.sequence_call(), pre, dense_new, scratch=v.scratch)
         del pre
+        graphs = _graphs(v)
         for b, rec in enumerate(recs):
-            rec[key] = _variant_record(dense, ids[b:b + 1], dense_new[b], free[b], tf[b], None, _graphs(v),
-                                       gen_graphs, gen_passes.n, tf_passes.n, [n_new])
+            rec[key] = _variant_record(dense, ids[b:b + 1], dense_new[b], free[b], tf[b], None, graphs, gen_graphs,
+                                       gen_passes.n, tf_passes.n, [n_new])
     return recs
 
 

@@ -34,7 +34,7 @@ from . import sparsity
 from .index_state import EMPTY, INDEX_DTYPE
 from .quest import QUEST_MODES, block_min_max, fold_newest_key_, quest_bound
 from .policies import POLICIES, rank_score, ranked_selection, select_top_blocks
-from .row_alignment import row_range, row_start, to_cache, to_text
+from .row_alignment import row_range, to_cache, to_text
 
 
 def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -175,8 +175,9 @@ def hybrid_decode_reference(q, k, v, valid, retrieval, idx_in, scale: float, blo
     k_sel = idx_in.shape[-1]
 
     scores = torch.einsum("bhgd,bhtd->bhgt", grouped_queries(q, Hkv), k.float()) * scale            # [B,Hkv,G,T]
-    lo = row_start(valid)                                                                          # [B]
-    valid_blk, fixed_blk = block_masks(valid, block_size, nb, sink_tokens, local_tokens)           # [B, nb]
+    ranges = torch.ops.lychee.valid_ranges(valid)                                                  # int32 [2, B]
+    lo = row_range(valid, ranges)[0]                                                               # [B]
+    valid_blk, fixed_blk = block_masks(valid, block_size, nb, sink_tokens, local_tokens, ranges)   # [B, nb]
 
     # Retrieval heads: full attention over valid positions, block scores for the next layer's selection.
     p_full = masked_softmax(scores, valid[:, None, None, :])
