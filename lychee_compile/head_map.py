@@ -31,8 +31,18 @@ def config_fingerprint(config) -> str:
     items = {}
     for name in _FINGERPRINT_FIELDS:
         value = getattr(config, name, None)
-        items[name] = value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+        items[name] = value if isinstance(value, (int, float, str, bool, type(None))) else repr(_key_sorted(value))
     return hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _key_sorted(value):
+    """`value` with every dict's keys in sorted order: a config read back from its saved JSON (which sorts keys) and
+    the same config built in memory (e.g. from a GGUF, in another key order) must fingerprint alike."""
+    if isinstance(value, dict):
+        return {k: _key_sorted(value[k]) for k in sorted(value, key=str)}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_key_sorted(v) for v in value)
+    return value
 
 
 def model_geometry(config) -> tuple[int, int]:

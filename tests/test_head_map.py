@@ -45,3 +45,21 @@ def test_effective_map_forces_first_global_layer_and_warns_on_sliding_rows():
     messages = " ".join(str(w.message) for w in record)
     assert "sliding-window layers [0, 2]" in messages and "first global layer (1)" in messages
     assert eff[:, 0].tolist() == [True, True, True, False]
+
+
+def test_config_fingerprint_ignores_dict_key_order(tmp_path):
+    # A config built in memory (e.g. from a GGUF) and the same config read back from its saved JSON (sorted keys)
+    # hold nested dicts such as rope_parameters in different key orders; a calibration resumed after the model cache
+    # was written, or a shipped map's lookup, must see one model.
+    from transformers import AutoConfig, Gemma3TextConfig
+    from lychee_compile.head_map import config_fingerprint
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+    cfg = Gemma3TextConfig(num_hidden_layers=6, rope_parameters=rope)
+    cfg.save_pretrained(tmp_path)
+    back = AutoConfig.from_pretrained(tmp_path)
+    assert list(back.rope_parameters) != list(cfg.rope_parameters)      # the saved JSON did reorder the keys
+    assert config_fingerprint(back) == config_fingerprint(cfg)
+    other = Gemma3TextConfig(num_hidden_layers=6, rope_parameters={**rope, "full_attention": {
+        "rope_type": "default", "rope_theta": 500000.0}})
+    assert config_fingerprint(other) != config_fingerprint(cfg)
