@@ -18,7 +18,9 @@ Writes into --out: long_context.json (settings, per length the budgets and bytes
 results and summary, and the run's wall time, first-prompt times (compiles included) and counters), long_context.md (one accuracy table: methods x task@length, with budgets and bytes), and
 passkey_heatmaps.png (one heatmap per method, depth x length). Each length scores every task's prompts in one run,
 so each method compiles once per length; --max-seconds stops before a length that would start past it; what ran is
-written after every length.
+written after every length. Runs made one length at a time join into one table and heatmap:
+
+    python benchmarks/long_context.py --join RUN_8K,RUN_16K,RUN_32K --out $OUT
 """
 from __future__ import annotations
 
@@ -175,7 +177,12 @@ def main(argv=None) -> int:
     ap.add_argument("--numerics", default="kernels", choices=["reference", "kernels"])
     ap.add_argument("--max-seconds", type=float, default=1e9)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--join", default=None, help="comma-separated folders of earlier runs (one length each): write "
+                                                  "their joined table and heatmaps to --out, run nothing")
     args = ap.parse_args(argv)
+    if args.join:
+        join([d for d in args.join.split(",") if d], args.out)
+        return 0
 
     from lychee_compile.api import probe_global_layers
     from lychee_compile.config import LycheeConfig
@@ -240,16 +247,41 @@ def main(argv=None) -> int:
                   f" ({time.perf_counter() - t0:.0f} s)", flush=True)
         with open(os.path.join(args.out, "long_context.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
+    write_outputs(results, args.out)
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+def write_outputs(results: dict, out: str) -> None:
+    """long_context.json (everything, skipped parts included), .md (the table) and passkey_heatmaps.png in `out`."""
     done = [dict(pl, tasks={k: v for k, v in pl["tasks"].items() if "summary" in v}) for pl in results["lengths"]]
     done = [pl for pl in done if pl["tasks"]]          # the JSON keeps what was skipped
     md = table(done)
-    with open(os.path.join(args.out, "long_context.md"), "w") as f:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "long_context.md"), "w") as f:
         f.write(md + "\n")
-    heatmaps(done, os.path.join(args.out, "passkey_heatmaps.png"))
-    with open(os.path.join(args.out, "long_context.json"), "w") as f:
+    heatmaps(done, os.path.join(out, "passkey_heatmaps.png"))
+    with open(os.path.join(out, "long_context.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     print(md)
-    print(f"wrote {args.out}/long_context.json, long_context.md, passkey_heatmaps.png ({time.perf_counter() - t0:.0f} s)")
+    print(f"wrote {out}/long_context.json, long_context.md, passkey_heatmaps.png")
+
+
+def join(dirs: list[str], out: str) -> dict:
+    """One table and heatmap from runs made one length at a time (each DIR/long_context.json): the lengths in order,
+    each run's settings kept beside its lengths (`runs`)."""
+    runs = []
+    for d in dirs:
+        with open(os.path.join(d, "long_context.json")) as f:
+            runs.append(json.load(f))
+    lengths = sorted((pl for r in runs for pl in r["lengths"]), key=lambda pl: pl["length"])
+    seen = [pl["length"] for pl in lengths]
+    if len(set(seen)) != len(seen):
+        raise SystemExit(f"--join: a length appears in more than one run ({seen})")
+    results = dict(runs=[dict(settings=r["settings"], lengths=[pl["length"] for pl in r["lengths"]]) for r in runs],
+                   lengths=lengths)
+    write_outputs(results, out)
+    return results
     return 0
 
 

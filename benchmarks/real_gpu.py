@@ -96,6 +96,9 @@ def parse(argv=None):
     g.add_argument("--rectify-batch", type=int, default=1,
                    help="prompts per generate() call and teacher-forced batch in the rectification part (> 1: "
                         "equal-length windows decoded together; nothing timed)")
+    g.add_argument("--rectify-resume", default=None,
+                   help="an earlier --out JSON: keep its rectification records (same settings and prompt windows "
+                        "required) and go on from the first prompt it lacks")
     g.add_argument("--evolve-rect-budget", type=int, default=256)
     g.add_argument("--evolve-new", type=int, default=1024)
     g.add_argument("--evolve-context", type=int, default=2048)

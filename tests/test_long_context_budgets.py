@@ -36,3 +36,29 @@ def test_each_baseline_gets_the_largest_budget_within_lychees_bytes():
     stream, _, _ = long_context.matched_budget(lambda b: method_spec("streamingllm", model, b, hm), model, layers,
                                                context, target, block, 80)
     assert stream.budget > 512
+
+
+def test_runs_of_one_length_each_join_into_one_table(tmp_path):
+    import json
+
+    import pytest
+
+    def run(folder, length, acc):
+        rec = dict(label="lychee@256", depth=0.5, all_hit=bool(acc))
+        summary = [dict(label="lychee@256", accuracy=acc, n=1)]
+        pl = dict(length=length, methods=[dict(method="lychee", label="lychee@256", budget=256, bytes=1.0,
+                                              bytes_vs_dense=0.5)],
+                  tasks=dict(passkey=dict(records=[rec], summary=summary)))
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "long_context.json").write_text(json.dumps(dict(settings=dict(lengths=str(length)),
+                                                                             lengths=[pl])))
+        return str(tmp_path / folder)
+
+    a, b = run("a", 16384, 1.0), run("b", 8192, 0.0)
+    joined = long_context.join([a, b], str(tmp_path / "out"))
+    assert [pl["length"] for pl in joined["lengths"]] == [8192, 16384]
+    md = (tmp_path / "out" / "long_context.md").read_text()
+    assert md.index("| 8K | lychee") < md.index("| 16K | lychee") and "| 16K | lychee | 256 | 50.0% | 100% (n=1) |" in md
+    assert (tmp_path / "out" / "passkey_heatmaps.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="more than one run"):
+        long_context.join([a, a], str(tmp_path / "again"))

@@ -182,3 +182,16 @@ def test_batched_rectify_prompts_equal_them_one_by_one(bench):
             assert b[key]["teacher_forced_nll"] == pytest.approx(a[key]["teacher_forced_nll"], abs=1e-4)
         assert b["r0"]["rectify_passes_generate"] == b["r0"]["rectify_passes_teacher_forced"] == 0
         assert b["r4"]["rectify_passes_generate"] == b["r4"]["rectify_passes_teacher_forced"] == (n_new - 1) // 4
+
+
+def test_rectify_resume_keeps_records_made_with_the_same_settings(bench, tmp_path):
+    import json
+    evolve = bench[1]
+    out = dict(dtype="bfloat16", backend="inductor", prompt_tokens=2048, new_tokens=1024, budget=256, every=32,
+               prompt_starts=[5, 9, 13], batch=1, records=[])
+    path = tmp_path / "rect.json"
+    path.write_text(json.dumps({"stages": {"evolve": {"rectify": dict(out, records=[{"index": 0}])}}}))
+    assert evolve.resumed_records(str(path), out) == [{"index": 0}]
+    for key, other in (("prompt_starts", [5, 9, 14]), ("every", 16), ("batch", 8)):
+        with pytest.raises(SystemExit, match=f"{key} differ"):
+            evolve.resumed_records(str(path), dict(out, **{key: other}))

@@ -30,10 +30,13 @@ Parts (--evolve-parts; default both; one part per call when a device time box ca
    prompts, so a stopped run keeps every prompt it finished.
    With --rectify-batch N > 1 the prompts go N at a time (equal-length windows: one generate() call per variant and
    one teacher-forced batch, calibrate/batch_scoring.batch_steps) and nothing is timed; make --rectify-prompts a
-   multiple of N (a smaller last batch compiles every variant again).
+   multiple of N (a smaller last batch compiles every variant again). --rectify-resume OUT.json keeps an earlier
+   run's records (same settings and windows) and goes on from the first prompt it lacks, so the prompts can span
+   several device calls.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -180,8 +183,11 @@ def _rectify(args, hm, res, report, dl, device) -> None:
     out["batch"] = args.rectify_batch
     if args.rectify_batch > 1:
         out["timed_prompt"] = None
+    if args.rectify_resume:
+        out["records"] = resumed_records(args.rectify_resume, out)
+        out["resumed_from"] = args.rectify_resume
     try:
-        for i in range(0, len(items), args.rectify_batch):
+        for i in range(len(out["records"]), len(items), args.rectify_batch):
             dl.check(f"before rectify prompt {i}")
             t0 = time.perf_counter()
             chunk = items[i:i + args.rectify_batch]
@@ -197,6 +203,20 @@ def _rectify(args, hm, res, report, dl, device) -> None:
         out["stopped"] = str(exc)
         report.save()
         raise
+
+
+RESUME_KEYS = ("dtype", "backend", "prompt_tokens", "new_tokens", "budget", "every", "prompt_starts", "batch")
+
+
+def resumed_records(path: str, out: dict) -> list[dict]:
+    """The finished records of an earlier report (--rectify-resume) whose rectify part was made with `out`'s
+    settings and prompt windows; the run goes on from the first prompt it lacks."""
+    with open(path) as f:
+        old = json.load(f)["stages"]["evolve"]["rectify"]
+    diff = [k for k in RESUME_KEYS if old.get(k) != out.get(k)]
+    if diff:
+        raise SystemExit(f"--rectify-resume {path}: made with other settings ({', '.join(diff)} differ)")
+    return list(old["records"])
 
 
 def _overlaps(starts: list[int], length: int) -> int:
