@@ -65,8 +65,8 @@ class Rectifier:
     def _reencode(self, cache, mask) -> None:
         tokens = torch.cat(self.tokens, dim=1)                                    # [B, R]
         padding = written_padding(mask, cache, tokens.shape[0])                   # [B, T]
-        for layer in cache.layers:
-            layer.cumulative_length.sub_(self.every)
+        # every layer's write offset rewound by R: one foreach op, not one launch per layer (this runs eagerly)
+        torch._foreach_sub_([layer.cumulative_length for layer in cache.layers], self.every)
         # tensors only (no read of the length on the host): [B, R] at the rewound offset
         positions = (torch.cat(self.positions, dim=1) if all(p is not None for p in self.positions)
                      else reencoded_positions(padding, cache.layers[0].cumulative_length, self.every))

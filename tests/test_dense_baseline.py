@@ -81,6 +81,44 @@ def test_key_segments_merge_to_the_reference(monkeypatch, segments, L):
     assert dd.valid_ranges(valid).tolist() == [[0, 7, 10, 3], [T, 30, 10 + L, 5 + L]]
 
 
+def test_reencode_flash_path_launches_few_eager_ops():
+    """Rectification's re-encode runs without CUDA graphs, so each eager op of the L > 1 flash path is a host launch
+    per layer per re-encode (~1,700 at Llama-3-8B's 32 layers: host-bound). Counted on the CPU (bf16 as on CUDA),
+    the two FlashAttention calls left out: ops that are not views. 56 before the metadata and merge were folded
+    (isfinite as four ops, an arange and a multiply per cu_seqlens, a reshape copy then a cast, ...)."""
+    import importlib
+    from torch.utils._python_dispatch import TorchDispatchMode
+    dd = importlib.import_module("lychee_compile.ops.dense_decode")
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.paused = [], False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.paused and not func.is_view and torch.Tag.view_copy not in func.tags:
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+    counted = Ops()
+
+    def attend(*args):
+        counted.paused = True
+        try:
+            return _varlen_semantics(*args)
+        finally:
+            counted.paused = False
+    B, Hkv, G, L, T, D = 2, 2, 2, 4, 64, 8
+    q = torch.randn(B, Hkv * G, L, D).bfloat16()
+    k, v = torch.randn(B, Hkv, T, D).bfloat16(), torch.randn(B, Hkv, T, D).bfloat16()
+    valid = torch.ones(B, T, dtype=torch.bool)
+    ranges = dd.valid_ranges(valid)
+    with counted:
+        out = dd._flash_varlen(q, k, v, valid, D ** -0.5, attend=attend, ranges=ranges)
+    assert out.dtype == q.dtype and out.is_contiguous()
+    assert (out.float() - dense_decode_reference(q, k, v, valid, D ** -0.5).float()).abs().max() < 2e-2
+    assert len(counted.ops) <= 46, counted.ops
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("G,D,L", [(4, 128, 1), (7, 64, 1), (1, 256, 1), (4, 128, 32), (7, 64, 5)])

@@ -176,6 +176,38 @@ def test_reencode_graph_missing_a_layers_site_is_refused_or_left_whole(strict, c
     assert (ctx.counters.reencode_sites_unchanged, ctx.counters.reencode_sites_dense) == (1, 0)
 
 
+def test_reencode_rewinds_every_layer_in_one_op():
+    """The re-encode runs eagerly between decode steps: the R-step rewind of the write offsets is one foreach op,
+    not one launch per layer (32 for Llama-3-8B), and the forward sees every layer rewound."""
+    from types import SimpleNamespace
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lychee_compile.passes import Counters
+    from lychee_compile.rectify import Rectifier
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+    layers = [SimpleNamespace(cumulative_length=torch.tensor(9), keys=torch.zeros(1, 1, 16, 2)) for _ in range(6)]
+    cache = SimpleNamespace(layers=layers)
+    seen = []
+    model = make("llama", "sdpa")
+    rectifier = Rectifier(model, R, lambda **kw: seen.append([int(x.cumulative_length) for x in layers]), True,
+                          Counters())
+    rectifier.tokens = [torch.tensor([[5]])] * R
+    rectifier.positions = [torch.tensor([[5 + i]]) for i in range(R)]
+    with Ops() as ops:
+        rectifier._reencode(cache, torch.ones(1, 9, dtype=torch.long))
+    assert seen == [[9 - R] * len(layers)]
+    assert ops.ops.count("aten::sub_") == 0 and ops.ops.count("aten::_foreach_sub_") == 1, ops.ops
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_reencode_between_cuda_graph_replays_gpu():

@@ -87,7 +87,8 @@ def _flash_varlen(q, k, v, valid, scale: float, attend=_flash_attend, ranges=Non
     B, Hq, L, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     G, n = Hq // Hkv, B * Hkv
-    start, end = valid_ranges(valid) if ranges is None else ranges
+    ranges = valid_ranges(valid) if ranges is None else ranges          # int32 [2, B]
+    start, end = ranges
     rows = q.view(B, Hkv, G, L, D).transpose(2, 3).reshape(n, L, G, D)  # sequence (b, h): L tokens x G heads
     k_flat, v_flat = k.reshape(n * T, 1, D), v.reshape(n * T, 1, D)
     base = torch.arange(n, device=q.device, dtype=torch.int32) * T       # [n] where sequence (b, h)'s keys begin
@@ -96,13 +97,19 @@ def _flash_varlen(q, k, v, valid, scale: float, attend=_flash_attend, ranges=Non
                      _closed(base + start.repeat_interleave(Hkv)), (end - start).repeat_interleave(Hkv), 1, T,
                      False, scale)[0]
         return out.view(B, Hkv, L, G, D).transpose(2, 3).reshape(B, Hq, L, D).contiguous()
-    out = _segmented(rows, k_flat, v_flat, base, start.repeat_interleave(Hkv), end.repeat_interleave(Hkv), T,
-                     scale, attend, KEY_SEGMENTS)                         # [n, L, G, D]
-    return out.view(B, Hkv, L, G, D).transpose(2, 3).reshape(B, Hq, L, D).to(q.dtype).contiguous()
+    # L > 1: rectification's re-encode, which runs without CUDA graphs, so every eager op here is one host launch
+    # per layer: the steps below are spelled in as few ops as give the same values bit for bit
+    start_n, end_n = ranges.repeat_interleave(Hkv, dim=1)                # [n] each, one copy for both
+    out = _segmented(rows, k_flat, v_flat, base, start_n, end_n, T, scale, attend, KEY_SEGMENTS)   # [n, L, G, D]
+    # cast and layout in one copy where the dtype changes (the fp32 merge of a bf16 / fp16 model), not a reshape
+    # copy and then a cast; the same dtype: `to` returns the view and reshape copies it
+    return out.view(B, Hkv, L, G, D).transpose(2, 3).to(q.dtype, memory_format=torch.contiguous_format).reshape(
+        B, Hq, L, D)
 
 
 def _cumulative(sequences: int, length: int, device) -> torch.Tensor:
-    return torch.arange(sequences + 1, device=device, dtype=torch.int32) * length
+    """[0, length, 2 * length, ..., sequences * length] int32: one arange (not an arange and a multiply)."""
+    return torch.arange(0, (sequences + 1) * length, length, device=device, dtype=torch.int32)
 
 
 def _closed(first: torch.Tensor) -> torch.Tensor:
@@ -117,10 +124,10 @@ def _segmented(rows, k_flat, v_flat, base, start, end, T: int, scale: float, att
     n, L, G, D = rows.shape
     S = segments
     prefix = end - L - start                                              # [n] keys every query attends
-    size = (prefix + S - 1) // S                                          # [n] keys per segment (the last may be short)
-    s = torch.arange(S, device=rows.device, dtype=torch.int32)
-    first = start[:, None] + s * size[:, None]                            # [n, S]
-    count = torch.minimum((prefix[:, None] - s * size[:, None]).clamp_min(0), size[:, None])   # [n, S]
+    size = (prefix + (S - 1)) // S                                        # [n] keys per segment (the last may be short)
+    offset = torch.arange(S, device=rows.device, dtype=torch.int32) * size[:, None]   # [n, S] from the prefix's start
+    first = start[:, None] + offset                                       # [n, S]
+    count = torch.minimum((prefix[:, None] - offset).clamp_min(0), size[:, None])     # [n, S]
     # No mask before the queries' own keys, so a sequence's L x G query rows are one head of L * G rows: each
     # segment's keys are read once (as G heads FlashAttention-2 reads them G times, in row tiles of 128 of which L
     # rows are used -- 32 of 128 for Llama-3 8B's G = 4 at rectify_every = 32).
@@ -132,8 +139,9 @@ def _segmented(rows, k_flat, v_flat, base, start, end, T: int, scale: float, att
     outs = torch.cat([seg_out.view(n, S, L, G, D), own_out.view(n, 1, L, G, D)], 1).float()
     lse = torch.cat([seg_lse.reshape(n, S, L, G), own_lse.t().reshape(n, 1, L, G)], 1)   # seg_lse [1, n*S*L*G]
     keys = torch.cat([count, torch.full_like(end[:, None], L)], 1)          # [n, S + 1] keys of each segment
-    # a segment with no key weighs nothing, whatever log-sum-exp the kernel wrote for it (FlashAttention-2: +inf)
-    lse = torch.where((keys > 0)[:, :, None, None] & torch.isfinite(lse), lse, float("-inf"))
+    # a segment with no key weighs nothing, whatever log-sum-exp the kernel wrote for it (FlashAttention-2: +inf).
+    # `lse < inf` keeps what isfinite(lse) keeps (a -inf it also keeps becomes -inf anyway) in one launch, not four
+    lse = torch.where((keys > 0)[:, :, None, None] & (lse < float("inf")), lse, float("-inf"))
     weight = torch.exp(lse - lse.amax(1, keepdim=True))                   # the own segment is never empty: finite max
     outs = torch.where(weight[..., None] > 0, outs, 0.0)
     return (weight[..., None] * outs).sum(1) / weight.sum(1)[..., None]
