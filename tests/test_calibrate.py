@@ -160,6 +160,14 @@ def test_walk_follows_the_staircase_and_picks_the_cheapest():
     assert cheapest([dict(passes=False)]) is None
 
 
+def test_default_head_counts_cover_every_count_of_a_small_model():
+    from lychee_compile.calibrate.calibration import default_heads
+    assert default_heads(2) == [0, 1, 2]                  # Gemma-3-270M: 2 KV heads beyond its first global layer
+    assert default_heads(4) == [0, 1, 2, 3, 4]
+    assert default_heads(46) == [0, 2, 4, 8, 16, 24, 32, 46]
+    assert default_heads(87) == [0, 2, 4, 8, 16, 24, 32, 48]
+
+
 def test_targets_parse_and_bound():
     t = QualityTarget.parse("passkey=1pt,ppl=2%,kl=0.01nat")
     assert [str(m) for m in t.metrics] == ["passkey=1pt", "ppl=2%", "kl=0.01nat"]

@@ -44,8 +44,10 @@ def default_budgets(lengths, sink: int, local: int) -> list[int]:
 
 
 def default_heads(room: int) -> list[int]:
-    """HEAD_COUNTS up to `room` (the heads of the later global layers), and `room` itself if it is below 48."""
-    return sorted({c for c in HEAD_COUNTS if c <= room} | ({room} if room < HEAD_COUNTS[-1] else set()))
+    """HEAD_COUNTS up to `room` (the heads of the later global layers), and `room` itself if it is below 48; every
+    count when room <= 4 (Gemma-3-270M has 2 such heads: between none and all of them there is only 1)."""
+    small = set(range(room + 1)) if room <= 4 else set()
+    return sorted({c for c in HEAD_COUNTS if c <= room} | ({room} if room < HEAD_COUNTS[-1] else set()) | small)
 
 
 def _settings(model, target, kw) -> dict:

@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
     p.add_argument("--score-samples", type=int, default=8, help="passkey prompts the scorer uses (default 8)")
     p.add_argument("--hardkuma-steps", type=int, default=40, help="--scorer hardkuma: training steps (default 40)")
     p.add_argument("--heads", default=None, help="comma-separated retrieval-head counts beyond the first global "
-                   "layer (default 0,2,4,8,16,24,32,48 up to what the model has)")
+                   "layer (default 0,2,4,8,16,24,32,48 up to what the model has, and every count up to 4 heads)")
     p.add_argument("--budgets", default=None, help="comma-separated budgets in tokens (default 64..4096 powers of "
                    "two, >= sink + local, below the longest context)")
     p.add_argument("--search-prompts", type=int, default=10, help="search prompts per context length and task "
