@@ -1124,6 +1124,8 @@ def run_profile(args, base, results) -> None:
     rect = rectify_of(row)
     # a rectified row warms past its first re-encode: that one compiles and tunes, which is not the re-encode's cost
     warm = 3 if rect is None else rect[1] + 2
+    if rect is not None and steps < rect[1]:
+        print(f"note: --profile-steps {steps} < R = {rect[1]}: the profiled window holds no re-encode", flush=True)
     cache = make_cache(base, batch, -(-(ctx + warm + steps + 4) // 256) * 256, args.device, base.dtype, args.seed)
     forward = compiled_forward(variant, {"past_key_values": cache})
     loop = DecodeLoop(variant.model, forward, cache, batch, base.config.vocab_size, args.device)

@@ -278,11 +278,29 @@ def join(dirs: list[str], out: str) -> dict:
     seen = [pl["length"] for pl in lengths]
     if len(set(seen)) != len(seen):
         raise SystemExit(f"--join: a length appears in more than one run ({seen})")
+    for r in runs[1:]:
+        differ = [k for k in JOIN_SAME if r["settings"].get(k) != runs[0]["settings"].get(k)]
+        if _map_key(r["settings"]) != _map_key(runs[0]["settings"]):
+            differ.append("head_map")
+        if differ:
+            raise SystemExit(f"--join: the runs differ in {', '.join(differ)}; only the lengths and tasks may")
     results = dict(runs=[dict(settings=r["settings"], lengths=[pl["length"] for pl in r["lengths"]]) for r in runs],
                    lengths=lengths)
     write_outputs(results, out)
     return results
-    return 0
+
+
+# what the runs of one table must share (the lengths, tasks, output folder, date and time box may differ)
+JOIN_SAME = ("model", "budget", "methods", "depths", "trials", "prompts", "seed", "numerics")
+
+
+def _map_key(settings: dict) -> str:
+    """A run's head map: its digest where the file is here (the same map may sit at two paths), else its file name."""
+    path = settings.get("head_map") or ""
+    if os.path.exists(path):
+        from lychee_compile.head_map import HeadMap
+        return HeadMap.load(path).digest()
+    return os.path.basename(path)
 
 
 if __name__ == "__main__":

@@ -28,20 +28,37 @@ _FINGERPRINT_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "num_at
 
 
 def config_fingerprint(config) -> str:
+    return _fingerprint(config, _canonical)
+
+
+def legacy_config_fingerprint(config) -> str:
+    """The fingerprint as it was made before nested values were canonicalized, which maps and calibration folders
+    made then carry; it differs from config_fingerprint only where a nested dict's keys were out of order (e.g. a
+    config built from a GGUF, or an old hub config whose rope_scaling transformers rewrites) or a value held tuples."""
+    return _fingerprint(config, lambda value: value)
+
+
+def fingerprint_matches(fingerprint: str | None, config) -> bool:
+    """Whether a recorded fingerprint is this config's, as made now or before (legacy_config_fingerprint)."""
+    return fingerprint in (config_fingerprint(config), legacy_config_fingerprint(config))
+
+
+def _fingerprint(config, canonical) -> str:
     items = {}
     for name in _FINGERPRINT_FIELDS:
         value = getattr(config, name, None)
-        items[name] = value if isinstance(value, (int, float, str, bool, type(None))) else repr(_key_sorted(value))
+        items[name] = value if isinstance(value, (int, float, str, bool, type(None))) else repr(canonical(value))
     return hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _key_sorted(value):
-    """`value` with every dict's keys in sorted order: a config read back from its saved JSON (which sorts keys) and
-    the same config built in memory (e.g. from a GGUF, in another key order) must fingerprint alike."""
+def _canonical(value):
+    """`value` as its saved JSON reads back: dict keys as sorted strings, tuples as lists. A config read back from its
+    config.json (which sorts keys) and the same config built in memory (e.g. from a GGUF, in another key order) must
+    fingerprint alike."""
     if isinstance(value, dict):
-        return {k: _key_sorted(value[k]) for k in sorted(value, key=str)}
+        return {str(k): _canonical(value[k]) for k in sorted(value, key=str)}
     if isinstance(value, (list, tuple)):
-        return type(value)(_key_sorted(v) for v in value)
+        return [_canonical(v) for v in value]
     return value
 
 
@@ -170,7 +187,7 @@ class HeadMap:
                 f"HeadMap(torch.zeros({n_layers}, {n_kv}, dtype=torch.bool)) or HeadMap.for_model(model, layers=[...]).")
         want = self.metadata.get("config_fingerprint")
         have = config_fingerprint(model.config)
-        if want is not None and want != have:
+        if want is not None and not fingerprint_matches(want, model.config):
             msg = (f"Head map was made for another model (config fingerprint {want}, architecture "
                    f"{self.metadata.get('architecture', '?')}); this model's fingerprint is {have} "
                    f"({type(model).__name__}). Its heads are probably not this model's retrieval heads: "

@@ -160,6 +160,17 @@ def test_walk_follows_the_staircase_and_picks_the_cheapest():
     assert cheapest([dict(passes=False)]) is None
 
 
+def test_store_resumes_a_folder_made_under_an_alias_of_a_setting(tmp_path):
+    from lychee_compile.calibrate.store import Store
+    Store(str(tmp_path), dict(model="legacy", lengths=[8])).put("point/h0-b64", {"passes": True})
+    with pytest.raises(ValueError, match="model differ"):
+        Store(str(tmp_path), dict(model="current", lengths=[8]))
+    store = Store(str(tmp_path), dict(model="current", lengths=[8]), aliases={"model": {"legacy"}})
+    assert store.get("point/h0-b64") == {"passes": True}
+    with pytest.raises(ValueError, match="lengths differ"):
+        Store(str(tmp_path), dict(model="current", lengths=[16]), aliases={"model": {"legacy"}})
+
+
 def test_default_head_counts_cover_every_count_of_a_small_model():
     from lychee_compile.calibrate.calibration import default_heads
     assert default_heads(2) == [0, 1, 2]                  # Gemma-3-270M: 2 KV heads beyond its first global layer

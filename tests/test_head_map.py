@@ -52,7 +52,7 @@ def test_config_fingerprint_ignores_dict_key_order(tmp_path):
     # hold nested dicts such as rope_parameters in different key orders; a calibration resumed after the model cache
     # was written, or a shipped map's lookup, must see one model.
     from transformers import AutoConfig, Gemma3TextConfig
-    from lychee_compile.head_map import config_fingerprint
+    from lychee_compile.head_map import config_fingerprint, fingerprint_matches, legacy_config_fingerprint
     rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
     cfg = Gemma3TextConfig(num_hidden_layers=6, rope_parameters=rope)
@@ -63,3 +63,7 @@ def test_config_fingerprint_ignores_dict_key_order(tmp_path):
     other = Gemma3TextConfig(num_hidden_layers=6, rope_parameters={**rope, "full_attention": {
         "rope_type": "default", "rope_theta": 500000.0}})
     assert config_fingerprint(other) != config_fingerprint(cfg)
+    # maps made before (their fingerprint repr'd the dicts as they came) still match their model
+    legacy = legacy_config_fingerprint(cfg)
+    assert legacy != config_fingerprint(cfg) and fingerprint_matches(legacy, cfg)
+    assert not fingerprint_matches(legacy_config_fingerprint(other), cfg)

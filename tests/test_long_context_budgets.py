@@ -62,3 +62,8 @@ def test_runs_of_one_length_each_join_into_one_table(tmp_path):
     assert (tmp_path / "out" / "passkey_heatmaps.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="more than one run"):
         long_context.join([a, a], str(tmp_path / "again"))
+    data = json.loads((tmp_path / "b" / "long_context.json").read_text())
+    data["settings"]["budget"] = 512
+    (tmp_path / "b" / "long_context.json").write_text(json.dumps(data))
+    with pytest.raises(SystemExit, match="differ in budget"):
+        long_context.join([a, b], str(tmp_path / "other"))

@@ -190,8 +190,16 @@ def test_rectify_resume_keeps_records_made_with_the_same_settings(bench, tmp_pat
     out = dict(dtype="bfloat16", backend="inductor", prompt_tokens=2048, new_tokens=1024, budget=256, every=32,
                prompt_starts=[5, 9, 13], batch=1, records=[])
     path = tmp_path / "rect.json"
-    path.write_text(json.dumps({"stages": {"evolve": {"rectify": dict(out, records=[{"index": 0}])}}}))
-    assert evolve.resumed_records(str(path), out) == [{"index": 0}]
+    rec = {"index": 0, "start": 5}
+    path.write_text(json.dumps({"stages": {"evolve": {"head_map": "/a/m.safetensors",
+                                                      "rectify": dict(out, records=[rec])}}}))
+    assert evolve.resumed_records(str(path), out, "/b/m.safetensors") == [rec]
     for key, other in (("prompt_starts", [5, 9, 14]), ("every", 16), ("batch", 8)):
         with pytest.raises(SystemExit, match=f"{key} differ"):
-            evolve.resumed_records(str(path), dict(out, **{key: other}))
+            evolve.resumed_records(str(path), dict(out, **{key: other}), "/b/m.safetensors")
+    with pytest.raises(SystemExit, match="head_map differ"):
+        evolve.resumed_records(str(path), out, "/a/other.safetensors")
+    path.write_text(json.dumps({"stages": {"evolve": {"head_map": "/a/m.safetensors",
+                                                      "rectify": dict(out, records=[dict(rec, index=1)])}}}))
+    with pytest.raises(SystemExit, match="not the first prompts"):
+        evolve.resumed_records(str(path), out, "/a/m.safetensors")

@@ -184,8 +184,10 @@ def _rectify(args, hm, res, report, dl, device) -> None:
     if args.rectify_batch > 1:
         out["timed_prompt"] = None
     if args.rectify_resume:
-        out["records"] = resumed_records(args.rectify_resume, out)
+        out["records"] = resumed_records(args.rectify_resume, out, res.get("head_map"))
         out["resumed_from"] = args.rectify_resume
+        if out["records"]:
+            out["aggregate"] = rectify_aggregate(out["records"], *variants)
     try:
         for i in range(len(out["records"]), len(items), args.rectify_batch):
             dl.check(f"before rectify prompt {i}")
@@ -208,15 +210,22 @@ def _rectify(args, hm, res, report, dl, device) -> None:
 RESUME_KEYS = ("dtype", "backend", "prompt_tokens", "new_tokens", "budget", "every", "prompt_starts", "batch")
 
 
-def resumed_records(path: str, out: dict) -> list[dict]:
+def resumed_records(path: str, out: dict, head_map: str | None = None) -> list[dict]:
     """The finished records of an earlier report (--rectify-resume) whose rectify part was made with `out`'s
-    settings and prompt windows; the run goes on from the first prompt it lacks."""
+    settings, prompt windows and head map (by file name); the run goes on from the first prompt it lacks."""
     with open(path) as f:
-        old = json.load(f)["stages"]["evolve"]["rectify"]
+        stage = json.load(f)["stages"]["evolve"]
+    old = stage["rectify"]
     diff = [k for k in RESUME_KEYS if old.get(k) != out.get(k)]
+    if os.path.basename(stage.get("head_map") or "") != os.path.basename(head_map or ""):
+        diff.append("head_map")
     if diff:
         raise SystemExit(f"--rectify-resume {path}: made with other settings ({', '.join(diff)} differ)")
-    return list(old["records"])
+    records = list(old["records"])
+    if [r["index"] for r in records] != list(range(len(records))) or \
+            [r["start"] for r in records] != out["prompt_starts"][:len(records)]:
+        raise SystemExit(f"--rectify-resume {path}: its records are not the first prompts of these windows")
+    return records
 
 
 def _overlaps(starts: list[int], length: int) -> int:

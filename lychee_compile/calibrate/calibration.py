@@ -94,7 +94,8 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
     if certify and certify_seed == search_seed:
         raise ValueError("certify_seed must differ from search_seed: held-out prompts come from unused seeds")
     with dynamo_limits():     # Dynamo's recompile limits raised for the run's many variants (scoped)
-        store = Store(out_dir, _settings(model, tgt, kw))
+        from ..head_map import legacy_config_fingerprint
+        store = Store(out_dir, _settings(model, tgt, kw), aliases={"model": {legacy_config_fingerprint(model.config)}})
         s = Session(model, tokenizer, tgt, store, kw, progress, log)
         t0 = time.perf_counter()
         scores = s.head_scores(head_scores)

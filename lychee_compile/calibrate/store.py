@@ -11,7 +11,9 @@ import os
 class Store:
     FILE = "state.json"
 
-    def __init__(self, out_dir: str, settings: dict):
+    def __init__(self, out_dir: str, settings: dict, aliases: dict | None = None):
+        """aliases: {setting: other values that mean the same}, e.g. the model's legacy fingerprint, under which a
+        folder made before is resumed (and its settings rewritten to the current value)."""
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, self.FILE)
         self.settings = json.loads(json.dumps(settings))     # as JSON keeps it (tuples -> lists)
@@ -19,6 +21,9 @@ class Store:
         if os.path.exists(self.path):
             with open(self.path) as f:
                 old = json.load(f)
+            for key, same in (aliases or {}).items():
+                if old["settings"].get(key) in same:
+                    old["settings"][key] = self.settings.get(key)
             if old["settings"] != self.settings:
                 diff = sorted(k for k in set(old["settings"]) | set(self.settings)
                               if old["settings"].get(k) != self.settings.get(k))

@@ -87,7 +87,7 @@ def _flash_varlen(q, k, v, valid, scale: float, attend=_flash_attend, ranges=Non
     B, Hq, L, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     G, n = Hq // Hkv, B * Hkv
-    ranges = valid_ranges(valid) if ranges is None else ranges          # int32 [2, B]
+    ranges = valid_ranges(valid) if ranges is None else ranges          # int32 Tensor [2, B] (valid_ranges')
     start, end = ranges
     rows = q.view(B, Hkv, G, L, D).transpose(2, 3).reshape(n, L, G, D)  # sequence (b, h): L tokens x G heads
     k_flat, v_flat = k.reshape(n * T, 1, D), v.reshape(n * T, 1, D)
