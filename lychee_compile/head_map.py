@@ -38,9 +38,14 @@ def legacy_config_fingerprint(config) -> str:
     return _fingerprint(config, lambda value: value)
 
 
+def config_fingerprints(config) -> tuple[str, str]:
+    """(config_fingerprint, legacy_config_fingerprint): a recorded fingerprint is this config's if it is either."""
+    return config_fingerprint(config), legacy_config_fingerprint(config)
+
+
 def fingerprint_matches(fingerprint: str | None, config) -> bool:
     """Whether a recorded fingerprint is this config's, as made now or before (legacy_config_fingerprint)."""
-    return fingerprint in (config_fingerprint(config), legacy_config_fingerprint(config))
+    return fingerprint in config_fingerprints(config)
 
 
 def _fingerprint(config, canonical) -> str:
@@ -186,8 +191,8 @@ class HeadMap:
                 f"layers x {n_kv} KV heads. Make a map for this model, e.g. "
                 f"HeadMap(torch.zeros({n_layers}, {n_kv}, dtype=torch.bool)) or HeadMap.for_model(model, layers=[...]).")
         want = self.metadata.get("config_fingerprint")
-        have = config_fingerprint(model.config)
-        if want is not None and not fingerprint_matches(want, model.config):
+        have, legacy = config_fingerprints(model.config)
+        if want is not None and want not in (have, legacy):
             msg = (f"Head map was made for another model (config fingerprint {want}, architecture "
                    f"{self.metadata.get('architecture', '?')}); this model's fingerprint is {have} "
                    f"({type(model).__name__}). Its heads are probably not this model's retrieval heads: "

@@ -49,6 +49,7 @@ def certified_shipped_maps():
 def shipped_map_for(model):
     """(map, path) of the certified shipped map made for `model` -- its metadata's config_fingerprint is that of
     model.config (head_map.config_fingerprint: the architecture's shape fields, no model names) -- or None."""
-    from ..head_map import fingerprint_matches
+    from ..head_map import config_fingerprints
+    known = config_fingerprints(model.config)
     return next(((hm, path) for hm, path in certified_shipped_maps()
-                 if fingerprint_matches(hm.metadata.get("config_fingerprint"), model.config)), None)
+                 if hm.metadata.get("config_fingerprint") in known), None)
