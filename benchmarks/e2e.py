@@ -47,8 +47,9 @@ position_ids [B,1], a bool mask [B,1,1,max_cache_len], past_key_values, logits_t
 No prefill: one StaticCache per batch size (max_cache_len = largest context + warmup + steps), filled with random
 K/V on the device; each layer's `cumulative_length` is set to the context, so the next step decodes at that position.
 All variants of one batch size share the weights and the cache; each variant is compiled once and timed at every
-context and head map (lychee_compile.set_head_map swaps head kinds in place, no recompile). Dynamo's counters must
-not move after the first call of a variant (asserted, >= 200 decode steps per variant with the defaults).
+context and head map (lychee_compile.set_head_map swaps head kinds in place, no recompile). Dynamo's compile count must
+not move after the first call of a variant (asserted, >= 200 decode steps per variant with the defaults); CUDA graphs
+recorded after it are counted apart (cudagraph_records).
 
 Prefill (--prefill 8192,32768): one forward of a prompt of each length into a fresh StaticCache (max_cache_len =
 length + 256, like a generate() with room to decode), HF as-is (the uncompiled base model) and the lychee_compile'd
@@ -481,22 +482,31 @@ class count_rectifications:
 
 
 # ------------------------------------------------------------------------------------------------ counters
-_COMPILES = [0]
+_COUNTS = {"compiles": 0, "cudagraph_records": 0}
 
 
-def _on_compile_start(*_args, **_kwargs) -> None:
-    _COMPILES[0] += 1
+def _on_compile_start(args=None, *_rest, **_kwargs) -> None:
+    # the start callbacks fire for Dynamo compiles and also for CUDA-graph recordings (cudagraph trees record a
+    # function at its second call, at each new place in the tree): counted apart, a recording is no recompile
+    trigger = getattr(getattr(args, "callback_trigger", None), "name", "")
+    _COUNTS["cudagraph_records" if trigger == "CUDAGRAPH_RECORDING" else "compiles"] += 1
 
 
 def dynamo_counts() -> dict:
-    """Dynamo compiles since start: a compile-start callback (re-registered: torch._dynamo.reset() clears them),
-    graphs (counters["stats"]["unique_graphs"]) and frames (counted only by the fullgraph=False path)."""
+    """Dynamo compiles since start (a compile-start callback, re-registered: torch._dynamo.reset() clears them), CUDA
+    graphs recorded (the same callback's other trigger), graphs (counters["stats"]["unique_graphs"]) and frames
+    (counted only by the fullgraph=False path)."""
     from torch._dynamo.callback import callback_handler
     from torch._dynamo.utils import counters
     if _on_compile_start not in callback_handler.start_callbacks:
         callback_handler.register_start_callback(_on_compile_start)
-    return dict(compiles=_COMPILES[0], frames=counters["frames"].get("total", 0),
+    return dict(_COUNTS, frames=counters["frames"].get("total", 0),
                 unique_graphs=counters["stats"].get("unique_graphs", 0))
+
+
+def recompiles_of(counts: dict) -> int:
+    """Recompiles in a delta of dynamo_counts(): Dynamo's counts only (a CUDA-graph recording is not one)."""
+    return max(v for k, v in counts.items() if k != "cudagraph_records")
 
 
 def delta(after: dict, before: dict) -> dict:
@@ -719,8 +729,9 @@ def skip_reason(args, kind: str, features: dict) -> str | None:
 
 def first_call(variant: Variant, cache, args, batch: int) -> dict:
     """The compile: the first call of the compiled decode step (at the largest context), then a second call
-    (CUDA-graph recording); with rectification, more steps up to the first re-encode, which compiles its own graph
-    (reencode_compile_s: those steps' time); Dynamo's counters before/after."""
+    (CUDA-graph recording); with rectification, more steps up to the second re-encode: the first compiles the
+    re-encode's own graph, the second records its CUDA graph (reencode_compile_s: those steps' time); Dynamo's
+    counters before/after."""
     forward = compiled_forward(variant, {"past_key_values": cache})
     loop = DecodeLoop(variant.model, forward, cache, batch, variant.model.config.vocab_size, args.device)
     loop.start(args.context_list[0])
@@ -736,7 +747,7 @@ def first_call(variant: Variant, cache, args, batch: int) -> dict:
         sync(args.device)
         t2 = time.perf_counter()
         with count_rectifications() as rect:
-            for _ in range(max(variant.rectify_every - 2, 0)):
+            for _ in range(max(2 * variant.rectify_every - 2, 0)):
                 loop.step()
             sync(args.device)
         t3 = time.perf_counter()
@@ -949,7 +960,7 @@ def run_variant(args, base, kind, budget, rows, cache, batch, ctx_info, budget_c
                rows=rows, setup_s=variant.setup_s, **info,
                compile_cache=compile_cache_state(args, batch),
                steps_after_compile=steps, recompile_counts=recompiles,
-               recompiles=max(recompiles.values()),
+               recompiles=recompiles_of(recompiles),
                lychee_counters=_lychee_counters(variant.model))
     results["variants"].append(rec)
     print(f"   {variant.name}: {steps} decode steps after the compile, recompiles {rec['recompiles']} "
@@ -976,8 +987,9 @@ def _lychee_counters(model):
 
 def max_cache_len(args) -> int:
     every = max((rectify_of(r)[1] for r in args.row_list if rectify_of(r)), default=0)
-    # + the compile's two calls (R with rectification: the first re-encode compiles there, at the largest context)
-    need = max(args.context_list) + max(args.warmup + args.steps + 2, every) + 2
+    # + the compile's two calls (2R with rectification: the re-encode compiles and records there, at the largest
+    # context)
+    need = max(args.context_list) + max(args.warmup + args.steps + 2, 2 * every) + 2
     return -(-need // 256) * 256
 
 

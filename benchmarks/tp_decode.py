@@ -82,8 +82,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.e2e import (GIB, MODELS, BenchError, Budget, DecodeLoop, StepClock, Variant, _ctx, _fmt,  # noqa: E402
                             all_retrieval_map, cpu_compile_config, delta, dynamo_counts, find, first_call,
                             greedy_without_eos, kv_read_bytes, layer_counts, lychee_config, make_cache, max_cache_len,
-                            measure_copy_bw, memory_now, model_config, quantile, quiet_effective, release_compiled,
-                            reset_peak, setup_environment, sync, targets_table, time_decode, weights_bytes)
+                            measure_copy_bw, memory_now, model_config, quantile, quiet_effective, recompiles_of,
+                            release_compiled, reset_peak, setup_environment, sync, targets_table, time_decode,
+                            weights_bytes)
 from examples.tensor_parallel import load_sharded  # noqa: E402
 
 ROWS = ("flash_dense", "hybrid_12.5", "hybrid_25", "hf_tp")
@@ -487,7 +488,7 @@ def time_row(cargs, variant, cache, case: dict, graphs: bool, row: str) -> dict:
           else contextlib.nullcontext()):
         stats = time_decode(loop, ctx, cargs.warmup, cargs.steps, device)
     mine = dict(ms=stats["tpot_ms"], p90_ms=stats["p90_ms"], loop_ms=stats["loop_ms"],
-                logits_finite=stats["logits_finite"], recompiles=max(delta(dynamo_counts(), before).values()),
+                logits_finite=stats["logits_finite"], recompiles=recompiles_of(delta(dynamo_counts(), before)),
                 peak_gb=memory_now(device)["peak_gb"])
     if state is not None:
         c = state.counters

@@ -15,4 +15,18 @@ def test_reencode_time_and_overhead_against_the_row_without_rectification():
     assert e2e.rectify_overhead(base, [base]) == {} and e2e.rectify_overhead(rect, [dict(base, context=16)]) == {}
     args = e2e.parse_args(["--dry-run", "--rows", "h12_64,h12_64_r32", "--contexts", "128", "--warmup", "1",
                            "--steps", "4"])
-    assert e2e.max_cache_len(args) >= 128 + 32, "the first call runs R steps at the largest context"
+    assert e2e.max_cache_len(args) >= 128 + 64, "the first call runs 2R steps at the largest context"
+
+
+def test_cuda_graph_recordings_are_counted_apart_from_compiles():
+    # cudagraph trees fire the compile-start callbacks when they record (a re-encode records at its second call):
+    # that is no recompile
+    from torch._dynamo.callback import CallbackArgs, CallbackTrigger
+    e2e = import_benchmarks("e2e")[0]
+    before = e2e.dynamo_counts()
+    e2e._on_compile_start(CallbackArgs(CallbackTrigger.CUDAGRAPH_RECORDING, "0/0"))
+    recorded = e2e.delta(e2e.dynamo_counts(), before)
+    assert recorded["cudagraph_records"] == 1 and recorded["compiles"] == 0 and e2e.recompiles_of(recorded) == 0
+    e2e._on_compile_start(CallbackArgs(CallbackTrigger.DYNAMO, "0/1"))
+    both = e2e.delta(e2e.dynamo_counts(), before)
+    assert both["compiles"] == 1 and e2e.recompiles_of(both) == 1
