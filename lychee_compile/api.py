@@ -81,8 +81,10 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     # A DynamicCache grows every step: its decode steps compile without CUDA graphs (a graph for every length)
     graphless = dataclasses.replace(config, cuda_graphs=False)
     dynamic_backend = backend_for(graphless) if config.cuda_graphs else backend
-    # rectification's re-encode (once every R steps): its own backend, no CUDA graphs; None: it runs eagerly
-    reencode_backend = (backend_for(graphless, reencode=True)
+    # rectification's re-encode (once every R steps): its own backend, with CUDA graphs as the decode step has them
+    # (fixed shapes, the static cache's fixed addresses; without them its ~2,000 launches bind it to the host);
+    # None: it runs eagerly
+    reencode_backend = (backend_for(config, reencode=True)
                         if config.rectify_every and reencode_mode(config, counters) else None)   # strict: may raise
     install(model, config, backend, dynamic_backend, reencode_backend, linear_groups, retrieval[global_layers],
             global_layers, counters)

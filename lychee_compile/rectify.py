@@ -11,7 +11,7 @@ those R tokens. Each generate() call gets a fresh wrapper, so nothing leaks betw
 
 What runs the re-encode (LycheeConfig.compile_reencode, default on): a compiled call of the model's own for it
 (fresh_call: a code object of its own, as the decode step has; fullgraph, dynamic=False), through a lychee backend
-made for it (no CUDA graphs; Inductor where the config says so). A forward of R >= 2 tokens is a prefill to the
+made for it (CUDA graphs and Inductor where the config says so, as for the decode step). A forward of R >= 2 tokens is a prefill to the
 passes (classify.py): counted in Counters.prefill_graphs (and reencode_graphs), never rewritten to sparse ops; the
 pass rewrite makes each of its attention sites lychee::dense_decode with R queries -- the same dense attention as
 the model's, over the valid keys only (FlashAttention-2 varlen on CUDA), where HF's masked SDPA copies the cache G
@@ -51,7 +51,10 @@ class Rectifier:
         self.model, self.every, self.reencode, self.compiled, self.counters = model, every, reencode, compiled, counters
         self.tokens, self.positions = [], []
 
-    def after_step(self, kwargs) -> None:
+    def after_step(self, kwargs, out=None) -> None:
+        """out: the decode step's output (a ModelOutput); before a re-encode its tensors are copied out of the
+        CUDA-graph pool (the re-encode's graph is another compiled call: a new cudagraph-trees generation, free to
+        reuse that memory). The cache object's tensors live outside the pool."""
         ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
         cache, mask = cache_of(kwargs), kwargs.get("attention_mask")
         if ids is None or cache is None or ids.shape[1] != 1:
@@ -59,6 +62,9 @@ class Rectifier:
         self.tokens.append(ids)
         self.positions.append(positions)
         if len(self.tokens) == self.every:
+            for name, value in (out.items() if hasattr(out, "items") else ()):
+                if isinstance(value, torch.Tensor):
+                    out[name] = value.clone()                                     # logits [B, 1, V], ...
             self._reencode(cache, mask)
             self.tokens, self.positions = [], []
 
@@ -134,7 +140,7 @@ def reencode_mode(config, counters) -> bool:
         return False
     refused = reencode_refusal(config)
     if refused is None:
-        log.info("lychee_compile: rectification's re-encode runs compiled (a dense prefill graph, no CUDA graphs)")
+        log.info("lychee_compile: rectification's re-encode runs compiled (a dense prefill graph of its own)")
         return True
     if config.strict:
         raise LycheeConfigError(f"{refused}. Use rectify_every >= 2, or compile_reencode=False to re-encode with the "
@@ -146,8 +152,8 @@ def reencode_mode(config, counters) -> bool:
 
 def compiled_reencode(model, backend):
     """The model's own compiled call for the re-encode: a fresh code object, so its Dynamo cache entries are its own,
-    never the decode step's. backend: the lychee backend made for it (backend.make_backend(reencode=True), no CUDA
-    graphs); fixed shapes (dynamic=False): one graph per batch size."""
+    never the decode step's. backend: the lychee backend made for it (backend.make_backend(reencode=True), CUDA graphs
+    as configured); fixed shapes (dynamic=False): one graph per batch size."""
     from .fresh_call import fresh_call
     return torch.compile(fresh_call(model, "lychee_reencode"), backend=backend, fullgraph=True, dynamic=False)
 
@@ -166,7 +172,7 @@ def install_rectification(model, every: int, backend, counters) -> None:
 
         def decode_step(*args, **kwargs):
             out = step(*args, **kwargs)
-            rectifier.after_step(kwargs)
+            rectifier.after_step(kwargs, out)
             return out
         return decode_step
 

@@ -211,9 +211,9 @@ def test_reencode_rewinds_every_layer_in_one_op():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_reencode_between_cuda_graph_replays_gpu():
-    # the default config on a CUDA model: the decode step replays a CUDA graph, the re-encode (Inductor, no CUDA
-    # graphs) rewrites the static cache between two replays; same tokens as the model without CUDA graphs, no
-    # recompile and no CUDA-graph skip across generate() calls
+    # the default config on a CUDA model: the decode step replays a CUDA graph, the re-encode (Inductor, a CUDA graph
+    # of its own) rewrites the static cache between two replays, the step's logits copied out first; same tokens as
+    # the model without CUDA graphs, no recompile and no CUDA-graph skip across generate() calls
     from torch._dynamo.utils import counters
     ids, mask = (x.cuda() for x in make_batch(lengths=(90, 71)))
     retrieval = mixed_map(make("llama", "sdpa"))

@@ -97,8 +97,8 @@ def _flash_varlen(q, k, v, valid, scale: float, attend=_flash_attend, ranges=Non
                      _closed(base + start.repeat_interleave(Hkv)), (end - start).repeat_interleave(Hkv), 1, T,
                      False, scale)[0]
         return out.view(B, Hkv, L, G, D).transpose(2, 3).reshape(B, Hq, L, D).contiguous()
-    # L > 1: rectification's re-encode, which runs without CUDA graphs, so every eager op here is one host launch
-    # per layer: the steps below are spelled in as few ops as give the same values bit for bit
+    # L > 1: rectification's re-encode; every eager op here is a launch per layer (a host launch without CUDA
+    # graphs, a graph node with them): the steps below are spelled in as few ops as give the same values bit for bit
     start_n, end_n = ranges.repeat_interleave(Hkv, dim=1)                # [n] each, one copy for both
     out = _segmented(rows, k_flat, v_flat, base, start_n, end_n, T, scale, attend, KEY_SEGMENTS)   # [n, L, G, D]
     # cast and layout in one copy where the dtype changes (the fp32 merge of a bf16 / fp16 model), not a reshape
