@@ -160,6 +160,27 @@ def test_walk_follows_the_staircase_and_picks_the_cheapest():
     assert cheapest([dict(passes=False)]) is None
 
 
+def test_a_point_reading_as_many_bytes_as_dense_is_never_chosen():
+    # every head retrieval reads dense's bytes: it may pass, but it is no map to certify or write
+    from lychee_compile.calibrate.report import render
+    from lychee_compile.calibrate.target import QualityTarget
+    quality = {"ppl": dict(value=0.5, interval=[0.1, 0.9], n=4)}
+    pts = [dict(heads=2, budget=1, bytes=30, bytes_ratio=1.0, passes=True, quality=quality),
+           dict(heads=1, budget=1, bytes=20, bytes_ratio=0.67, passes=False, quality=quality),
+           dict(heads=1, budget=2, bytes=21, bytes_ratio=0.7, passes=False, quality=quality)]
+
+    def cost(n, b):
+        return 10 * n + b
+    assert cheapest(pts)["heads"] == 2 and cheapest(pts, dense=30) is None
+    assert next_candidate(pts, [], [1, 2], [1, 2], cost) == (2, 1)
+    assert next_candidate(pts, [], [1, 2], [1, 2], cost, dense=30) is None
+    kw = dict(lengths=[64], search_prompts=2, search_seed=5, scorer="retrieval-score", block_size=16, sink_tokens=4,
+              local_tokens=8, search_margin=0.5)
+    text = render(None, pts, [], kw, QualityTarget.parse("ppl=2%"), "no point met the target")
+    assert "Only points that read as many KV bytes per step as dense" in text and "No visited point" not in text
+    assert "No visited point met" in render(None, pts[1:], [], kw, QualityTarget.parse("ppl=2%"), "none")
+
+
 def test_store_resumes_a_folder_made_under_an_alias_of_a_setting(tmp_path):
     from lychee_compile.calibrate.store import Store
     Store(str(tmp_path), dict(model="legacy", lengths=[8])).put("point/h0-b64", {"passes": True})

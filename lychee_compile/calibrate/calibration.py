@@ -27,7 +27,7 @@ BUDGETS = (64, 128, 256, 512, 1024, 2048, 4096)
 
 @dataclasses.dataclass
 class Calibration:
-    status: str                     # certified | unconfirmed | failed | no point met the target
+    status: str                     # certified | unconfirmed | failed | no point ... met the target (outputs.py)
     head_map: object | None         # the calibrated HeadMap (None if no point met the target)
     points: list[dict]              # every visited point, in walk order
     chosen: dict | None             # the point the map was written for: the first certified attempt, else see final()
@@ -103,7 +103,8 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
         heads = head_counts or default_heads(room)
         points = walk(heads, budgets, lambda n, b: s.evaluate_point(scores, n, b))
         search_s = time.perf_counter() - t0
-        best = cheapest(points)
+        dense = s.kv_bytes(None, None)         # a point reading as many bytes saves nothing: never chosen
+        best = cheapest(points, dense)
         log(f"search: {len(points)} points visited ({s.points_evaluated} evaluated now, the rest resumed), "
             f"{search_s:.0f} s; chosen: {_describe(best)}")
         attempts, held_out = [], {}
@@ -113,7 +114,7 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
             for task in tgt.tasks:
                 check_disjoint(s.search_items(task), held_out[task])
             attempts = _certify_until(s, scores, points, heads, budgets, held_out, min_prompts, batch_size,
-                                      certify_backend, certify_seed, certify_attempts, log)
+                                      certify_backend, certify_seed, certify_attempts, dense, log)
         chosen, cert = final(attempts) if attempts else (best, None)
         from .outputs import write_outputs
         data = digest(text, *(s.search_items(t) for t in tgt.tasks), *held_out.values())
@@ -123,14 +124,14 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
 
 
 def _certify_until(s, scores, points, heads, budgets, held_out, min_prompts, batch_size, backend, seed, cap,
-                   log) -> list[tuple[dict, dict]]:
+                   dense, log) -> list[tuple[dict, dict]]:
     """Certify the cheapest candidate (search.next_candidate); while an attempt misses the target, the next one, at
     most `cap` attempts. An unsearched candidate is searched first (appended to `points`) and certified only if it
     passes the search. Returns [(point, certification)] in attempt order."""
     attempts = []
     while len(attempts) < cap:
         hb = next_candidate(points, [p for p, _ in attempts], heads, budgets,
-                            lambda n, b: s.kv_bytes(s.head_map(scores, n).retrieval, b))
+                            lambda n, b: s.kv_bytes(s.head_map(scores, n).retrieval, b), dense)
         if hb is None:
             break
         point = next((p for p in points if (p["heads"], p["budget"]) == hb), None)

@@ -28,7 +28,8 @@ def write_outputs(session, scores, points, chosen, cert, attempts, search_s: flo
             for k, (p, c) in enumerate(attempts):
                 f.write(json.dumps(dict(c, number=k + 1, point=dict(heads=p["heads"], budget=p["budget"],
                                                                     bytes_ratio=p["bytes_ratio"]))) + "\n")
-    status = record["status"] if record else "no point met the target"
+    status = (record["status"] if record else "no point reading fewer bytes than dense met the target"
+              if any(p["passes"] for p in points) else "no point met the target")
     with open(paths["report"], "w") as f:
         f.write(render(record, points, attempts, kw, target, status))
     return status, hm, paths

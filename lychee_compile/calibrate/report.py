@@ -33,6 +33,11 @@ def render(record: dict | None, points: list[dict], attempts, kw: dict, target, 
              "| retrieval heads | budget | KV bytes vs dense | quality | passes |", "|---|---|---|---|---|"]
     lines += [f"| {p['heads']} | {p['budget']} | {100 * p['bytes_ratio']:.1f}% | {_q(p['quality'])} | "
               f"{'yes' if p['passes'] else 'no'} |" for p in points]
+    if record is None and any(p["passes"] for p in points):
+        lines += ["", "Only points that read as many KV bytes per step as dense (every head retrieval) met the "
+                      "target: no map written. At this target and these contexts, sparse heads on this model cost "
+                      "more quality than the target allows; larger budgets or a looser target may find one."]
+        return "\n".join(lines) + "\n"
     if record is None:
         lines += ["", "No visited point met the target: no map written. Widen the grid (more heads, larger "
                       "budgets) or loosen the target."]

@@ -1,8 +1,9 @@
 """The search: walk the pass/fail boundary of retrieval-head count x budget and pick the cheapest passing point.
 
     points = walk(head_counts, budgets, evaluate)     # evaluate(heads, budget) -> dict with "passes" and "bytes"
-    best = cheapest(points)                           # fewest KV bytes per step among the passing points, or None
-    nxt = next_candidate(points, failed, head_counts, budgets, cost)   # what to certify after `failed` attempts
+    best = cheapest(points, dense)                    # fewest KV bytes per step among the passing points that
+                                                      # read fewer than dense, or None
+    nxt = next_candidate(points, failed, head_counts, budgets, cost, dense)   # what to certify after `failed`
 
 Quality is taken to grow with both the head count and the budget (a staircase): starting at the most heads and the
 smallest budget, a passing point moves to one head count fewer at the same budget, a failing one to the next
@@ -31,8 +32,10 @@ def walk(head_counts: list[int], budgets: list[int], evaluate) -> list[dict]:
     return visited
 
 
-def cheapest(points: list[dict]) -> dict | None:
-    passing = [p for p in points if p["passes"]]
+def cheapest(points: list[dict], dense: float | None = None) -> dict | None:
+    """The passing point with the fewest KV bytes per step that reads fewer than `dense` (dense attention's bytes; a
+    point with every head retrieval saves nothing, so it is no map to write); None if there is none."""
+    passing = [p for p in points if p["passes"] and (dense is None or p["bytes"] < dense)]
     return min(passing, key=lambda p: (p["bytes"], p["budget"], p["heads"])) if passing else None
 
 
@@ -41,10 +44,11 @@ def _below(hb, points) -> bool:
     return any(hb[0] <= p["heads"] and hb[1] <= p["budget"] for p in points)
 
 
-def next_candidate(points: list[dict], rejected: list[dict], head_counts, budgets, cost) -> tuple[int, int] | None:
+def next_candidate(points: list[dict], rejected: list[dict], head_counts, budgets, cost,
+                   dense: float | None = None) -> tuple[int, int] | None:
     """(heads, budget) to certify next, or None. `points`: every searched point; `rejected`: the points
-    certification rejected; cost(heads, budget) -> KV bytes (for unsearched points). With nothing rejected: the
-    cheapest passing point, as cheapest()."""
+    certification rejected; cost(heads, budget) -> KV bytes (for unsearched points); `dense`: as for cheapest(), no
+    candidate reads as many bytes. With nothing rejected: the cheapest passing point, as cheapest()."""
     heads, buds = sorted(set(head_counts)), sorted(set(budgets))
     searched = {(p["heads"], p["budget"]): p for p in points}
     pool = {hb for hb, p in searched.items() if p["passes"]}
@@ -57,4 +61,5 @@ def next_candidate(points: list[dict], rejected: list[dict], head_counts, budget
 
     def key(hb):
         return (searched[hb]["bytes"] if hb in searched else cost(*hb), hb[1], hb[0])
+    pool = [hb for hb in pool if dense is None or key(hb)[0] < dense]
     return min(pool, key=key) if pool else None

@@ -83,7 +83,8 @@ def _flash_attend(rows, k_flat, v_flat, cu_q, cu_k, used, max_q: int, max_k: int
     return out, lse
 
 
-def _flash_varlen(q, k, v, valid, scale: float, attend=_flash_attend, ranges=None) -> torch.Tensor:
+def _flash_varlen(q, k, v, valid, scale: float, attend=_flash_attend, ranges=None,
+                  segments: int | None = None) -> torch.Tensor:
     B, Hq, L, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     G, n = Hq // Hkv, B * Hkv
@@ -100,7 +101,8 @@ def _flash_varlen(q, k, v, valid, scale: float, attend=_flash_attend, ranges=Non
     # L > 1: rectification's re-encode; every eager op here is a launch per layer (a host launch without CUDA
     # graphs, a graph node with them): the steps below are spelled in as few ops as give the same values bit for bit
     start_n, end_n = ranges.repeat_interleave(Hkv, dim=1)                # [n] each, one copy for both
-    out = _segmented(rows, k_flat, v_flat, base, start_n, end_n, T, scale, attend, KEY_SEGMENTS)   # [n, L, G, D]
+    out = _segmented(rows, k_flat, v_flat, base, start_n, end_n, T, scale, attend,
+                     segments or KEY_SEGMENTS)                                         # [n, L, G, D]
     # cast and layout in one copy where the dtype changes (the fp32 merge of a bf16 / fp16 model), not a reshape
     # copy and then a cast; the same dtype: `to` returns the view and reshape copies it
     return out.view(B, Hkv, L, G, D).transpose(2, 3).to(q.dtype, memory_format=torch.contiguous_format).reshape(

@@ -1,0 +1,55 @@
+"""The re-encode's dense attention (lychee::dense_decode with L queries, FlashAttention-2 varlen over key segments)
+at Llama-3-8B shapes, for several key-segment counts: ms per layer under a CUDA graph, against the layer's K/V bytes
+at the copy rate measured in the same run. Outputs are compared with the first count's.
+
+    python benchmarks/probes/reencode_segments.py --context 131072 --queries 32 --segments 8,16,32,64,128
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from benchmarks.attention_bench import measure_copy_bw, time_calls  # noqa: E402
+from lychee_compile.ops.dense_decode import _flash_varlen  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--queries", type=int, default=32, help="L: the re-encoded tokens (rectify_every)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=32, help="for the per-step total only")
+    ap.add_argument("--segments", default="8,16,32,64,128")
+    args = ap.parse_args()
+    B, Hkv, G, D, T, L = args.batch, args.kv_heads, args.group, args.head_dim, args.context, args.queries
+    torch.manual_seed(0)
+    q = torch.randn(B, Hkv * G, L, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Hkv, T, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, Hkv, T, D, device="cuda", dtype=torch.bfloat16)
+    valid = torch.ones(B, T, dtype=torch.bool, device="cuda")
+    kv_bytes = 2 * k.numel() * k.element_size()
+    rate = measure_copy_bw() / 1e12                                      # TB/s, read + write counted
+    floor = kv_bytes / rate / 1e9                                        # ms a layer
+    print(f"{torch.cuda.get_device_name()}: context {T}, L {L}, B {B}, {Hkv} KV heads x G {G}, D {D}; K+V "
+          f"{kv_bytes / 1e9:.3f} GB a layer, copy rate {rate:.2f} TB/s -> floor {floor:.3f} ms a layer")
+    print("| segments | ms a layer | x floor | ms a step (x layers) | max |diff| vs first |")
+    print("|---:|---:|---:|---:|---:|")
+    first = None
+    for S in (int(s) for s in args.segments.split(",")):
+        out = _flash_varlen(q, k, v, valid, D ** -0.5, segments=S).float()
+        first = out if first is None else first
+        ms = time_calls([lambda S=S: _flash_varlen(q, k, v, valid, D ** -0.5, segments=S)])
+        diff = (out - first).abs().max().item()
+        print(f"| {S} | {ms:.3f} | {ms / floor:.2f} | {ms * args.layers:.2f} | {diff:.2e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
