@@ -41,7 +41,7 @@ class LycheeState:
     def __init__(self, config, head_map, retrieval, global_layers, counters, backend, snapshots):
         self.config, self.head_map, self.retrieval = config, head_map, retrieval
         self.global_layers, self.counters, self.backend = global_layers, counters, backend
-        self.snapshots = snapshots     # graph_snapshot() text of each rewritten decode graph
+        self.snapshots = snapshots     # graph_snapshot() text of each rewritten decode graph and re-encode graph
         self.budget_from_map = False   # config.budget was None: resolved from the head map (set_head_map checks it)
         # tensor parallelism (tensor_parallel.py): this rank's KV heads; None in one process. head_map stays global,
         # retrieval holds this rank's columns of the effective map (what its ops use)

@@ -19,14 +19,15 @@ log = logging.getLogger("lychee_compile")
 
 def make_backend(model, config, retrieval: torch.Tensor, streaming: torch.Tensor, counters: Counters,
                  head_map_digest: str, snapshots: list[str], reencode: bool = False):
-    """snapshots: receives graph_snapshot() of every rewritten decode graph (tests and `lychee` debugging);
+    """snapshots: receives graph_snapshot() of every decode graph rewritten and of every re-encode graph (tests and
+    `lychee` debugging);
     reencode: the backend of rectification's re-encode (rectify.py), whose graphs the pass rewrite makes dense."""
     def lychee_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         # kwargs: torch.compile / HF's CompileConfig pass mode= and options=; LycheeConfig decides instead
         # (cuda_graphs), so one config always means one compiled artifact.
         ctx = run_passes(PassContext(gm, model, config, retrieval, counters, streaming=streaming,
                                      example_inputs=list(example_inputs), reencode=reencode))
-        if ctx.is_decode and not ctx.aborted:
+        if (ctx.is_decode or reencode) and not ctx.aborted:
             snapshots.append(graph_snapshot(gm))
         kind = "decode" if ctx.is_decode else "re-encode" if reencode else "prefill"
         log.info("lychee_compile: graph %d (%s): %d sites%s; %d rewritten in total", counters.graphs, kind,

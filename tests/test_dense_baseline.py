@@ -78,14 +78,18 @@ def test_key_segments_merge_to_the_reference(monkeypatch, segments, L):
     assert out.shape == ref.shape and (out - ref).abs().max() < 1e-5
     given = dd._flash_varlen(q, k, v, valid, D ** -0.5, attend=_varlen_semantics, ranges=dd.valid_ranges(valid))
     assert torch.equal(given, out)                   # the rewrite's once-per-graph ranges: the same sequences
+    if L > 1:                                        # and its once-per-graph segment plan
+        plan = dd.segment_plan(dd.valid_ranges(valid), Hkv, G, T, L, segments)
+        assert torch.equal(dd._flash_varlen(q, k, v, valid, D ** -0.5, attend=_varlen_semantics, plan=plan), out)
     assert dd.valid_ranges(valid).tolist() == [[0, 7, 10, 3], [T, 30, 10 + L, 5 + L]]
 
 
 def test_reencode_flash_path_launches_few_eager_ops():
-    """Rectification's re-encode runs without CUDA graphs, so each eager op of the L > 1 flash path is a host launch
-    per layer per re-encode (~1,700 at Llama-3-8B's 32 layers: host-bound). Counted on the CPU (bf16 as on CUDA),
-    the two FlashAttention calls left out: ops that are not views. 56 before the metadata and merge were folded
-    (isfinite as four ops, an arange and a multiply per cu_seqlens, a reshape copy then a cast, ...)."""
+    """Each eager op of the re-encode's L > 1 flash path is a kernel per layer per re-encode (a CUDA-graph node, or
+    a host launch without graphs: ~1,500 at Llama-3-8B's 32 layers). Counted on the CPU (bf16 as on CUDA), the two
+    FlashAttention calls left out: ops that are not views. With the plan the rewrite computes once per graph, the
+    merge alone is left per layer: 56 ops before the metadata and the merge were folded, 46 after, 23 with the
+    plan given (4 of them launch nothing: two _unsafe_view, two scalar_tensor)."""
     import importlib
     from torch.utils._python_dispatch import TorchDispatchMode
     dd = importlib.import_module("lychee_compile.ops.dense_decode")
@@ -117,6 +121,11 @@ def test_reencode_flash_path_launches_few_eager_ops():
     assert out.dtype == q.dtype and out.is_contiguous()
     assert (out.float() - dense_decode_reference(q, k, v, valid, D ** -0.5).float()).abs().max() < 2e-2
     assert len(counted.ops) <= 46, counted.ops
+    plan = dd.segment_plan(ranges, Hkv, G, T, L, dd.KEY_SEGMENTS)
+    counted.ops = []
+    with counted:
+        given = dd._flash_varlen(q, k, v, valid, D ** -0.5, attend=attend, plan=plan)
+    assert torch.equal(given, out) and len(counted.ops) <= 23, "\n".join(counted.ops)
 
 
 @pytest.mark.gpu

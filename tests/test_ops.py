@@ -125,6 +125,24 @@ def test_dense_decode_opcheck(dtype, L):
     torch.library.opcheck(DENSE, (_queries(q, L), k, v, valid, 0.25))
     ranges = torch.ops.lychee.valid_ranges(valid)
     torch.library.opcheck(DENSE, (_queries(q, L), k, v, valid, 0.25, ranges))
+    plan = torch.ops.lychee.segment_plan(ranges, k.shape[1], q.shape[1] // k.shape[1], k.shape[2], L, 2)
+    torch.library.opcheck(DENSE, (_queries(q, L), k, v, valid, 0.25, ranges, plan))
+
+
+def test_segment_plan_opcheck_and_pieces():
+    # rows (b, h): b's range [2, 30) and [0, 9) with 2 KV heads, T 40, L 4 queries, 3 segments of the prefix before
+    # them (24 and 5 keys: segments of 8, 8, 8 and 2, 2, 1)
+    from lychee_compile.ops.dense_decode import plan_parts
+    ranges = torch.tensor([[2, 0], [30, 9]], dtype=torch.int32)
+    args = (ranges, 2, 3, 40, 4, 3)
+    torch.library.opcheck(torch.ops.lychee.segment_plan.default, args)
+    parts = plan_parts(torch.ops.lychee.segment_plan(*args), 4)
+    assert parts["seg_used"].tolist() == [8, 8, 8] * 2 + [2, 2, 1] * 2
+    assert parts["seg_cu_k"].tolist() == [2, 10, 18, 42, 50, 58, 80, 82, 84, 120, 122, 124, 124]
+    assert parts["seg_cu_q"].tolist() == list(range(0, 13 * 12, 12))            # L * G = 12 rows a segment
+    assert parts["own_cu_k"].tolist() == [26, 66, 85, 125, 125] and parts["own_used"].tolist() == [4] * 4
+    assert parts["own_cu_q"].tolist() == [0, 4, 8, 12, 16]
+    assert parts["keys"].tolist() == [[8, 8, 8, 4]] * 2 + [[2, 2, 1, 4]] * 2
 
 
 def test_valid_ranges_opcheck():

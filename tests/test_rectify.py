@@ -104,6 +104,11 @@ def test_compiled_reencode_equals_eager_reencode_and_dense_with_all_retrieval_he
     assert (c.reencode_sites_dense, c.reencode_sites_unchanged) == (model.config.num_hidden_layers, 0)
     assert c.sites_rewritten == model.config.num_hidden_layers, "only the decode graph's sites go sparse"
     assert counters["stats"]["unique_graphs"] == graphs + 2, "one decode graph and one re-encode graph, no recompile"
+    # the re-encode graph (compiled after the decode graph): one key-segment plan for every layer's dense_decode
+    reencode_graph = state.snapshots[-1].splitlines()
+    sites = [line for line in reencode_graph if " dense_decode " in line]
+    assert len(sites) == model.config.num_hidden_layers and all("plan=segment_plan(" in line for line in sites)
+    assert len({line.split("plan=")[1] for line in sites}) == 1, sites
     generate_logits(model, ids, mask, steps)
     assert counters["stats"]["unique_graphs"] == graphs + 2 and c.reencodes_compiled == 6
 

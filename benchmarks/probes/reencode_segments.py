@@ -1,6 +1,7 @@
-"""The re-encode's dense attention (lychee::dense_decode with L queries, FlashAttention-2 varlen over key segments)
-at Llama-3-8B shapes, for several key-segment counts: ms per layer under a CUDA graph, against the layer's K/V bytes
-at the copy rate measured in the same run. Outputs are compared with the first count's.
+"""The re-encode's dense attention (lychee::dense_decode with L queries, FlashAttention-2 varlen over key segments,
+the segment plan given as the rewrite gives it) at Llama-3-8B shapes, for several key-segment counts: ms per layer
+under a CUDA graph, against the layer's K/V bytes at the copy rate measured in the same run. Outputs are compared
+with the first count's.
 
     python benchmarks/probes/reencode_segments.py --context 131072 --queries 32 --segments 8,16,32,64,128
 """
@@ -15,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.attention_bench import measure_copy_bw, time_calls  # noqa: E402
-from lychee_compile.ops.dense_decode import _flash_varlen  # noqa: E402
+from lychee_compile.ops.dense_decode import _flash_varlen, segment_plan, valid_ranges  # noqa: E402
 
 
 def main() -> None:
@@ -44,9 +45,11 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|")
     first = None
     for S in (int(s) for s in args.segments.split(",")):
-        out = _flash_varlen(q, k, v, valid, D ** -0.5, segments=S).float()
+        # the plan as the rewrite gives it: computed once per graph, outside every layer's op
+        plan = segment_plan(valid_ranges(valid), Hkv, G, T, L, S)
+        out = _flash_varlen(q, k, v, valid, D ** -0.5, plan=plan).float()
         first = out if first is None else first
-        ms = time_calls([lambda S=S: _flash_varlen(q, k, v, valid, D ** -0.5, segments=S)])
+        ms = time_calls([lambda plan=plan: _flash_varlen(q, k, v, valid, D ** -0.5, plan=plan)])
         diff = (out - first).abs().max().item()
         print(f"| {S} | {ms:.3f} | {ms / floor:.2f} | {ms * args.layers:.2f} | {diff:.2e} |", flush=True)
 

@@ -1,7 +1,7 @@
 """`torch.ops.lychee.dense_decode`: plain dense attention of a row's newest positions over exactly its valid keys,
 native GQA.
 
-    dense_decode(q, k, v, valid, scale, ranges=None) -> out
+    dense_decode(q, k, v, valid, scale, ranges=None, plan=None) -> out
 
 This is NOT lychee's method. With one query (a decode step) it is the "best dense path" that speed claims are
 measured against (LycheeConfig attention="flash_dense"): the same rewritten model, but every global layer attends
@@ -20,6 +20,9 @@ Names and shapes:
                              computes them once per graph for every layer's op instead of each op scanning valid
                              (two reductions over [B, T] a layer: ~1 ms a step at 128K x 4 under tensor
                              parallelism). The reference reads valid only.
+    plan   int32 [4nS + 4n + 4] or None   the L > 1 path's sequence metadata (segment_plan below; n = B * Hkv,
+                             S key segments): the rewrite computes it once per graph for every layer's op, as it does
+                             ranges (~25 small kernels a layer otherwise). The reference reads valid only.
     out    [B, Hq, L, D]     q.dtype, contiguous; query i attends the valid positions up to end_b - L + i
 On CUDA with fp16/bf16 it runs FlashAttention-2 varlen with `seqused_k` (no host sync, CUDA-graph safe): each
 (row, KV head) is one variable-length sequence starting at start_b with end_b - start_b keys, its queries a sequence
@@ -54,8 +57,10 @@ def dense_decode_reference(q, k, v, valid, scale: float) -> torch.Tensor:
 # Key segments of the L > 1 path: FlashAttention-2 splits the keys over several blocks only for ONE query (its
 # split-KV path); with L queries every (row, KV head) sequence is G thread blocks, each walking the whole context
 # alone (32 blocks for Llama-3-8B at batch 1: 3.7 ms a layer at 128K on the H200). So the keys are cut into this many
-# segments, each its own sequence, and the partial results merged by their log-sum-exp.
-KEY_SEGMENTS = 16
+# segments, each its own sequence, and the partial results merged by their log-sum-exp. 32: the fastest count at
+# Llama-3-8B's shapes at 128K, batch 1, on the H200 (benchmarks/probes/reencode_segments.py: 0.322 ms a layer vs
+# 0.347 at 16, 8 KV heads x 32 = 256 sequences for its 132 SMs; docs/performance.md has the end-to-end figure).
+KEY_SEGMENTS = 32
 
 
 @torch.library.custom_op("lychee::valid_ranges", mutates_args=())
@@ -75,6 +80,45 @@ def _(valid):
     return valid.new_empty((2, valid.shape[0]), dtype=torch.int32)
 
 
+@torch.library.custom_op("lychee::segment_plan", mutates_args=())
+def segment_plan(ranges: torch.Tensor, kv_heads: int, group: int, capacity: int, queries: int,
+                 segments: int) -> torch.Tensor:
+    """The L > 1 path's FlashAttention-2 varlen metadata for rows (b, h), n = B * kv_heads of them, from ranges
+    (int32 [2, B], valid_ranges'), in one int32 tensor; plan_parts() names its pieces. An op of its own, opaque to
+    Inductor like valid_ranges: the same for every layer of a graph, so the rewrite computes it once.
+        seg_cu_q [nS + 1]   seg_cu_k [nS + 1]   seg_used [nS]     the S segments of each row's keys before its L own
+        own_cu_q [n + 1]    own_cu_k [n + 1]    own_used [n]      each row's L own keys (causal)
+        keys     [n * (S + 1)]                                    keys of each row's S segments, then L"""
+    n, S, L, T = ranges.shape[1] * kv_heads, segments, queries, capacity
+    start, end = ranges.repeat_interleave(kv_heads, dim=1)               # [n] each, one copy for both
+    base = torch.arange(0, n * T, T, device=ranges.device, dtype=torch.int32)   # [n] where row (b, h)'s keys begin
+    prefix = end - L - start                                              # [n] keys every query attends
+    size = (prefix + (S - 1)) // S                                        # [n] keys per segment (the last may be short)
+    offset = torch.arange(S, device=ranges.device, dtype=torch.int32) * size[:, None]   # [n, S] from prefix's start
+    count = torch.minimum((prefix[:, None] - offset).clamp_min(0), size[:, None])       # [n, S]
+    own = torch.full_like(end, L)
+    first = ((base + start)[:, None] + offset).view(-1)                   # [nS] each segment's first key
+    return torch.cat([_cumulative(n * S, L * group, ranges.device), _closed(first), count.view(-1),
+                      _cumulative(n, L, ranges.device), _closed(base + end - L), own,
+                      torch.cat([count, own[:, None]], 1).view(-1)])
+
+
+@segment_plan.register_fake
+def _(ranges, kv_heads, group, capacity, queries, segments):
+    n = ranges.shape[1] * kv_heads
+    return ranges.new_empty((4 * n * segments + 4 * n + 4,), dtype=torch.int32)
+
+
+def plan_parts(plan: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+    """segment_plan's pieces as views (S from the length)."""
+    S = (plan.shape[0] - 4 * n - 4) // (4 * n)
+    sizes = dict(seg_cu_q=n * S + 1, seg_cu_k=n * S + 1, seg_used=n * S, own_cu_q=n + 1, own_cu_k=n + 1, own_used=n,
+                 keys=n * (S + 1))
+    parts = dict(zip(sizes, plan.split(list(sizes.values()))))
+    parts["keys"] = parts["keys"].view(n, S + 1)
+    return parts
+
+
 def _flash_attend(rows, k_flat, v_flat, cu_q, cu_k, used, max_q: int, max_k: int, causal: bool, scale: float):
     """FlashAttention-2 varlen, rows [total_q, H, D] over one KV head: (out [total_q, H, D], lse [H, total_q] fp32;
     +inf where a sequence has no key)."""
@@ -84,25 +128,27 @@ def _flash_attend(rows, k_flat, v_flat, cu_q, cu_k, used, max_q: int, max_k: int
 
 
 def _flash_varlen(q, k, v, valid, scale: float, attend=_flash_attend, ranges=None,
-                  segments: int | None = None) -> torch.Tensor:
+                  segments: int | None = None, plan=None) -> torch.Tensor:
     B, Hq, L, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     G, n = Hq // Hkv, B * Hkv
-    ranges = valid_ranges(valid) if ranges is None else ranges          # int32 Tensor [2, B] (valid_ranges')
-    start, end = ranges
+    if ranges is None and (L == 1 or plan is None):
+        ranges = valid_ranges(valid)                                     # int32 Tensor [2, B]
     rows = q.view(B, Hkv, G, L, D).transpose(2, 3).reshape(n, L, G, D)  # sequence (b, h): L tokens x G heads
     k_flat, v_flat = k.reshape(n * T, 1, D), v.reshape(n * T, 1, D)
-    base = torch.arange(n, device=q.device, dtype=torch.int32) * T       # [n] where sequence (b, h)'s keys begin
     if L == 1:                                                            # a decode step: FA2 splits the keys itself
+        start, end = ranges
+        base = torch.arange(n, device=q.device, dtype=torch.int32) * T   # [n] where sequence (b, h)'s keys begin
         out = attend(rows.reshape(n, G, D), k_flat, v_flat, _cumulative(n, 1, q.device),
                      _closed(base + start.repeat_interleave(Hkv)), (end - start).repeat_interleave(Hkv), 1, T,
                      False, scale)[0]
         return out.view(B, Hkv, L, G, D).transpose(2, 3).reshape(B, Hq, L, D).contiguous()
     # L > 1: rectification's re-encode; every eager op here is a launch per layer (a host launch without CUDA
-    # graphs, a graph node with them): the steps below are spelled in as few ops as give the same values bit for bit
-    start_n, end_n = ranges.repeat_interleave(Hkv, dim=1)                # [n] each, one copy for both
-    out = _segmented(rows, k_flat, v_flat, base, start_n, end_n, T, scale, attend,
-                     segments or KEY_SEGMENTS)                                         # [n, L, G, D]
+    # graphs, a graph node with them): the metadata comes once per graph (plan), the merge is spelled in as few ops
+    # as give the same values bit for bit
+    if plan is None:
+        plan = segment_plan(ranges, Hkv, G, T, L, segments or KEY_SEGMENTS)
+    out = _segmented(rows, k_flat, v_flat, plan_parts(plan, n), T, scale, attend)   # [n, L, G, D]
     # cast and layout in one copy where the dtype changes (the fp32 merge of a bf16 / fp16 model), not a reshape
     # copy and then a cast; the same dtype: `to` returns the view and reshape copies it
     return out.view(B, Hkv, L, G, D).transpose(2, 3).to(q.dtype, memory_format=torch.contiguous_format).reshape(
@@ -119,28 +165,22 @@ def _closed(first: torch.Tensor) -> torch.Tensor:
     return torch.cat([first, first[-1:]])
 
 
-def _segmented(rows, k_flat, v_flat, base, start, end, T: int, scale: float, attend, segments: int):
+def _segmented(rows, k_flat, v_flat, parts: dict, T: int, scale: float, attend):
     """L queries per sequence over [start, end): S segments of the keys before the queries' own L (no mask) and one
-    causal segment of their own L keys, merged by log-sum-exp.
-        rows   [n, L, G, D]   base, start, end  int32 [n]   ->   [n, L, G, D] fp32"""
+    causal segment of their own L keys, merged by log-sum-exp; parts: plan_parts(segment_plan(...)).
+        rows   [n, L, G, D]   ->   [n, L, G, D] fp32"""
     n, L, G, D = rows.shape
-    S = segments
-    prefix = end - L - start                                              # [n] keys every query attends
-    size = (prefix + (S - 1)) // S                                        # [n] keys per segment (the last may be short)
-    offset = torch.arange(S, device=rows.device, dtype=torch.int32) * size[:, None]   # [n, S] from the prefix's start
-    first = start[:, None] + offset                                       # [n, S]
-    count = torch.minimum((prefix[:, None] - offset).clamp_min(0), size[:, None])     # [n, S]
+    keys = parts["keys"]                                                  # [n, S + 1]
+    S = keys.shape[1] - 1
     # No mask before the queries' own keys, so a sequence's L x G query rows are one head of L * G rows: each
     # segment's keys are read once (as G heads FlashAttention-2 reads them G times, in row tiles of 128 of which L
     # rows are used -- 32 of 128 for Llama-3 8B's G = 4 at rectify_every = 32).
     seg_out, seg_lse = attend(rows[:, None].expand(n, S, L, G, D).reshape(n * S * L * G, 1, D), k_flat, v_flat,
-                              _cumulative(n * S, L * G, rows.device), _closed((base[:, None] + first).reshape(-1)),
-                              count.reshape(-1), L * G, T, False, scale)
-    own_out, own_lse = attend(rows.reshape(n * L, G, D), k_flat, v_flat, _cumulative(n, L, rows.device),
-                              _closed(base + end - L), torch.full_like(end, L), L, L, True, scale)
+                              parts["seg_cu_q"], parts["seg_cu_k"], parts["seg_used"], L * G, T, False, scale)
+    own_out, own_lse = attend(rows.reshape(n * L, G, D), k_flat, v_flat, parts["own_cu_q"], parts["own_cu_k"],
+                              parts["own_used"], L, L, True, scale)
     outs = torch.cat([seg_out.view(n, S, L, G, D), own_out.view(n, 1, L, G, D)], 1).float()
     lse = torch.cat([seg_lse.reshape(n, S, L, G), own_lse.t().reshape(n, 1, L, G)], 1)   # seg_lse [1, n*S*L*G]
-    keys = torch.cat([count, torch.full_like(end[:, None], L)], 1)          # [n, S + 1] keys of each segment
     # a segment with no key weighs nothing, whatever log-sum-exp the kernel wrote for it (FlashAttention-2: +inf).
     # `lse < inf` keeps what isfinite(lse) keeps (a -inf it also keeps becomes -inf anyway) in one launch, not four
     lse = torch.where((keys > 0)[:, :, None, None] & (lse < float("inf")), lse, float("-inf"))
@@ -159,13 +199,13 @@ def flash_path(q, k) -> bool:
 
 @torch.library.custom_op("lychee::dense_decode", mutates_args=())
 def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-                 scale: float, ranges: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: float, ranges: torch.Tensor | None = None, plan: torch.Tensor | None = None) -> torch.Tensor:
     if flash_path(q, k) and v.is_contiguous():
-        return _flash_varlen(q.contiguous(), k, v, valid, scale, ranges=ranges)
+        return _flash_varlen(q.contiguous(), k, v, valid, scale, ranges=ranges, plan=plan)
     return dense_decode_reference(q, k, v, valid, scale)
 
 
 @dense_decode.register_fake
-def _(q, k, v, valid, scale, ranges=None):
+def _(q, k, v, valid, scale, ranges=None, plan=None):
     torch._check(q.shape[1] % k.shape[1] == 0, lambda: "query heads must be a multiple of KV heads")
     return q.new_empty(q.shape)                      # contiguous, as both implementations return it

@@ -3,7 +3,9 @@ baseline attention="flash_dense", one `lychee::dense_decode` op, which has no in
 rectification's re-encode (PassContext.reencode: a prefill of the R newest tokens over the cache, rectify.py) every
 site becomes `lychee::dense_decode` with R queries instead: dense, what the model's masked attention computes, but
 over the valid keys only and with no repeat_kv copy of the cache (HF's masked SDPA over the whole capacity, after
-repeat_kv, read and wrote G + 1 times the cache's bytes per layer). Other prefill graphs are never rewritten.
+repeat_kv, read and wrote G + 1 times the cache's bytes per layer). Other prefill graphs are never rewritten. A
+re-encode's dense_decode sites also share one `lychee::segment_plan(ranges, ...)` node: the FlashAttention-2 varlen
+metadata of their key segments, the same for every layer.
 
 Per site, inserted right before the original attention output (so after the KV-cache write of that layer):
     valid = valid_from_<mask kind>(mask, q)                  # bool [B, T]; ONE node shared by every site with
@@ -32,6 +34,7 @@ import operator
 import torch
 
 from ..errors import LycheeCompileError
+from ..ops.dense_decode import KEY_SEGMENTS
 from ..ops.heat import heat_decode_step
 from ..ops.hybrid_decode import IDX_OUT, OUT, SLOT_OUT, hybrid_decode_op
 from ..ops.op_arguments import positional
@@ -113,7 +116,7 @@ def _buffers_fit(ctx: PassContext, n_global: int) -> bool:
     return True
 
 
-def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int, ranges=None):
+def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int, ranges=None, plan=None):
     """(the lychee node for one site, the name of the cross-step state whose slot it returns as res[2] or None):
     hybrid_decode,
     or the composite heat_decode_step (reads its heat slot, returns the new one) / quest_decode_step (updates its
@@ -124,7 +127,7 @@ def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int, ranges=None)
 
     attention = dict(q=site.q, k=site.kv_k, v=site.kv_v, valid=valid, scale=site.scale)
     if _dense(ctx):
-        return call(torch.ops.lychee.dense_decode.default, **attention, ranges=ranges), None
+        return call(torch.ops.lychee.dense_decode.default, **attention, ranges=ranges, plan=plan), None
     hybrid = dict(attention, retrieval=kinds, idx_in=None,        # idx_in: wired by thread_state
                   block_size=cfg.block_size, sink_tokens=cfg.sink_tokens, local_tokens=cfg.local_tokens,
                   policy=cfg.policy_code, policy_param=float(cfg.selection_param))
@@ -136,6 +139,21 @@ def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int, ranges=None)
     if cfg.quest != "off":      # the whole buffer and the slot: the op writes one block per row into it
         return call(quest_decode_step, **hybrid, **quest, desc=ctx.quest_input, slot=slot, ranges=ranges), None
     return call(hybrid_decode_op(), **hybrid, **quest), None
+
+
+def _shared_plan(graph, site: Site, ranges, shared: dict, key):
+    """dense_decode's L > 1 metadata (lychee::segment_plan), once per graph for the sites of one shape; None for one
+    query or symbolic shapes (the op then computes it itself)."""
+    q, k = site.q.meta["example_value"].shape, site.kv_k.meta["example_value"].shape   # [B, Hq, L, D], [B, Hkv, T, D]
+    shape = (k[1], q[1] // k[1], k[2], q[2])                             # kv_heads, group, capacity, queries
+    if ranges is None or not all(isinstance(x, int) for x in shape) or shape[3] == 1:
+        return None
+    node = shared.get((key, "plan", shape))
+    if node is None:
+        node = graph.call_function(torch.ops.lychee.segment_plan.default, (ranges, *shape, KEY_SEGMENTS))
+        node.meta["nn_module_stack"] = ranges.meta["nn_module_stack"]
+        shared[(key, "plan", shape)] = node
+    return node
 
 
 def _dense(ctx: PassContext) -> bool:
@@ -174,7 +192,9 @@ def _rewrite(ctx: PassContext, site: Site, slot: int, shared_valid: dict) -> Non
                 ranges.meta["nn_module_stack"] = valid.meta["nn_module_stack"]
                 shared_valid[(key, "ranges")] = ranges
         kinds = None if dense else graph.call_function(kinds_slot, (ctx.kinds_input, slot))
-        op, slot_name = _op_call(ctx, site, valid, kinds, slot, shared_valid.get((key, "ranges")))
+        ranges = shared_valid.get((key, "ranges"))
+        plan = _shared_plan(graph, site, ranges, shared_valid, key) if dense else None
+        op, slot_name = _op_call(ctx, site, valid, kinds, slot, ranges, plan)
         out = op if dense else graph.call_function(operator.getitem, (op, OUT))
         if not dense:
             graph.call_function(operator.getitem, (op, IDX_OUT))
