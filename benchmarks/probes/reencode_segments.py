@@ -3,7 +3,7 @@ the segment plan given as the rewrite gives it) at Llama-3-8B shapes, for severa
 under a CUDA graph, against the layer's K/V bytes at the copy rate measured in the same run. Outputs are compared
 with the first count's.
 
-    python benchmarks/probes/reencode_segments.py --context 131072 --queries 32 --segments 8,16,32,64,128
+    python benchmarks/probes/reencode_segments.py --context 131072 --queries 32 --segments 8,16,32,64,128 [--sdpa]
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=32, help="for the per-step total only")
     ap.add_argument("--segments", default="8,16,32,64,128")
+    ap.add_argument("--sdpa", action="store_true", help="also time SDPA's cuDNN and FlashAttention backends on the "
+                    "same segment shapes, dense (every segment full, no varlen; batch 1): what another kernel would give")
     args = ap.parse_args()
     B, Hkv, G, D, T, L = args.batch, args.kv_heads, args.group, args.head_dim, args.context, args.queries
     torch.manual_seed(0)
@@ -52,6 +54,26 @@ def main() -> None:
         ms = time_calls([lambda plan=plan: _flash_varlen(q, k, v, valid, D ** -0.5, plan=plan)])
         diff = (out - first).abs().max().item()
         print(f"| {S} | {ms:.3f} | {ms / floor:.2f} | {ms * args.layers:.2f} | {diff:.2e} |", flush=True)
+    if args.sdpa:
+        time_sdpa(args, floor)
+
+
+def time_sdpa(args, floor: float) -> None:
+    """Each segment a head of L * G query rows over T / S keys, as the varlen path cuts them, but dense."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    Hkv, G, D, T, L = args.kv_heads, args.group, args.head_dim, args.context, args.queries
+    print("| segments | SDPA backend | ms a layer | x floor | TFLOP/s |")
+    print("|---:|---|---:|---:|---:|")
+    for S in (int(s) for s in args.segments.split(",")):
+        q = torch.randn(1, Hkv * S, L * G, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, Hkv * S, T // S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+            def run(backend=backend):
+                with sdpa_kernel(backend):
+                    torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            ms = time_calls([run])
+            flops = 4 * L * G * T * D * Hkv                                  # QK and PV, 2 flops a multiply-add
+            print(f"| {S} | {backend.name} | {ms:.3f} | {ms / floor:.2f} | {flops / ms / 1e9:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
