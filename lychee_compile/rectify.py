@@ -11,9 +11,10 @@ those R tokens. Each generate() call gets a fresh wrapper, so nothing leaks betw
 
 What runs the re-encode (LycheeConfig.compile_reencode, default on): a compiled call of the model's own for it
 (fresh_call: a code object of its own, as the decode step has; fullgraph, dynamic=False), through a lychee backend
-made for it (CUDA graphs and Inductor where the config says so, as for the decode step). A forward of R >= 2 tokens is a prefill to the
-passes (classify.py): counted in Counters.prefill_graphs (and reencode_graphs), never rewritten to sparse ops; the
-pass rewrite makes each of its attention sites lychee::dense_decode with R queries -- the same dense attention as
+made for it (CUDA graphs and Inductor where the config says so, as for the decode step; the decode step's output is
+copied out of the graph pool first). A forward of R >= 2 tokens is a prefill to the passes (classify.py): counted in
+Counters.prefill_graphs (and reencode_graphs), never rewritten to sparse ops; the pass rewrite makes each of its
+attention sites lychee::dense_decode with R queries (sharing one lychee::segment_plan) -- the same dense attention as
 the model's, over the valid keys only (FlashAttention-2 varlen on CUDA), where HF's masked SDPA copies the cache G
 times (repeat_kv) and attends its whole capacity. Its shapes are fixed -- tokens and positions [B, R], the padding
 mask [B, T] over the whole static cache (T its capacity), the write offset a tensor of the cache -- so it compiles
@@ -51,22 +52,21 @@ class Rectifier:
         self.model, self.every, self.reencode, self.compiled, self.counters = model, every, reencode, compiled, counters
         self.tokens, self.positions = [], []
 
-    def after_step(self, kwargs, out=None) -> None:
-        """out: the decode step's output (a ModelOutput); before a re-encode its tensors are copied out of the
-        CUDA-graph pool (the re-encode's graph is another compiled call: a new cudagraph-trees generation, free to
-        reuse that memory). The cache object's tensors live outside the pool."""
+    def after_step(self, kwargs, out=None):
+        """Returns out, the decode step's output, or before a re-encode a copy of every tensor in it (a ModelOutput
+        or tuples, nested): out of the CUDA-graph pool, which the re-encode's graph (another compiled call: a new
+        cudagraph-trees generation) is free to reuse. The cache object's tensors live outside the pool."""
         ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
         cache, mask = cache_of(kwargs), kwargs.get("attention_mask")
         if ids is None or cache is None or ids.shape[1] != 1:
-            return
+            return out
         self.tokens.append(ids)
         self.positions.append(positions)
         if len(self.tokens) == self.every:
-            for name, value in (out.items() if hasattr(out, "items") else ()):
-                if isinstance(value, torch.Tensor):
-                    out[name] = value.clone()                                     # logits [B, 1, V], ...
+            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)   # logits [B, 1, V], ...
             self._reencode(cache, mask)
             self.tokens, self.positions = [], []
+        return out
 
     def _reencode(self, cache, mask) -> None:
         tokens = torch.cat(self.tokens, dim=1)                                    # [B, R]
@@ -171,9 +171,7 @@ def install_rectification(model, every: int, backend, counters) -> None:
         rectifier = Rectifier(model, every, reencode, compiled, counters)
 
         def decode_step(*args, **kwargs):
-            out = step(*args, **kwargs)
-            rectifier.after_step(kwargs, out)
-            return out
+            return rectifier.after_step(kwargs, step(*args, **kwargs))
         return decode_step
 
     model.get_compiled_call = get_compiled_call

@@ -89,7 +89,8 @@ def test_reencode_flash_path_launches_few_eager_ops():
     a host launch without graphs: ~1,500 at Llama-3-8B's 32 layers). Counted on the CPU (bf16 as on CUDA), the two
     FlashAttention calls left out: ops that are not views. With the plan the rewrite computes once per graph, the
     merge alone is left per layer: 56 ops before the metadata and the merge were folded, 46 after, 23 with the
-    plan given (4 of them launch nothing: two _unsafe_view, two scalar_tensor)."""
+    plan given (4 of them launch nothing: two _unsafe_view, two scalar_tensor), 24 computing it (lychee::segment_plan
+    counts as one op here; its own ~25 run once per graph)."""
     import importlib
     from torch.utils._python_dispatch import TorchDispatchMode
     dd = importlib.import_module("lychee_compile.ops.dense_decode")
@@ -120,7 +121,7 @@ def test_reencode_flash_path_launches_few_eager_ops():
         out = dd._flash_varlen(q, k, v, valid, D ** -0.5, attend=attend, ranges=ranges)
     assert out.dtype == q.dtype and out.is_contiguous()
     assert (out.float() - dense_decode_reference(q, k, v, valid, D ** -0.5).float()).abs().max() < 2e-2
-    assert len(counted.ops) <= 46, counted.ops
+    assert len(counted.ops) <= 24, counted.ops       # the plan computed inside: one opaque op more
     plan = dd.segment_plan(ranges, Hkv, G, T, L, dd.KEY_SEGMENTS)
     counted.ops = []
     with counted:

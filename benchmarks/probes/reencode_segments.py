@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32, help="for the per-step total only")
     ap.add_argument("--segments", default="8,16,32,64,128")
     ap.add_argument("--sdpa", action="store_true", help="also time SDPA's cuDNN and FlashAttention backends on the "
-                    "same segment shapes, dense (every segment full, no varlen; batch 1): what another kernel would give")
+                    "same segment shapes, dense (every segment full, no varlen; batch 1): what another kernel gives")
     args = ap.parse_args()
     B, Hkv, G, D, T, L = args.batch, args.kv_heads, args.group, args.head_dim, args.context, args.queries
     torch.manual_seed(0)

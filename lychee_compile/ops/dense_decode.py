@@ -90,6 +90,7 @@ def segment_plan(ranges: torch.Tensor, kv_heads: int, group: int, capacity: int,
         own_cu_q [n + 1]    own_cu_k [n + 1]    own_used [n]      each row's L own keys (causal)
         keys     [n * (S + 1)]                                    keys of each row's S segments, then L"""
     n, S, L, T = ranges.shape[1] * kv_heads, segments, queries, capacity
+    torch._check(n * T < 2 ** 31, lambda: f"{n} rows x {T} keys overflow FlashAttention-2's int32 key offsets")
     start, end = ranges.repeat_interleave(kv_heads, dim=1)               # [n] each, one copy for both
     base = torch.arange(0, n * T, T, device=ranges.device, dtype=torch.int32)   # [n] where row (b, h)'s keys begin
     prefix = end - L - start                                              # [n] keys every query attends
@@ -110,8 +111,9 @@ def _(ranges, kv_heads, group, capacity, queries, segments):
 
 
 def plan_parts(plan: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
-    """segment_plan's pieces as views (S from the length)."""
-    S = (plan.shape[0] - 4 * n - 4) // (4 * n)
+    """segment_plan's pieces as views (S from the length; a plan of another row count is refused)."""
+    S, rest = divmod(plan.shape[0] - 4 * n - 4, 4 * n)
+    torch._check(S >= 1 and rest == 0, lambda: f"a segment plan of {plan.shape[0]} entries is not one for {n} rows")
     sizes = dict(seg_cu_q=n * S + 1, seg_cu_k=n * S + 1, seg_used=n * S, own_cu_q=n + 1, own_cu_k=n + 1, own_used=n,
                  keys=n * (S + 1))
     parts = dict(zip(sizes, plan.split(list(sizes.values()))))

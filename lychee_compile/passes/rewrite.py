@@ -41,6 +41,7 @@ from ..ops.op_arguments import positional
 from ..ops.quest_decode import quest_decode_step
 from .canonicalize import VALID_FROM, valid_everywhere
 from .context import PassContext, Site, log
+from .graph_query import shape
 from .thread_slots import layer_slot
 
 
@@ -144,15 +145,17 @@ def _op_call(ctx: PassContext, site: Site, valid, kinds, slot: int, ranges=None,
 def _shared_plan(graph, site: Site, ranges, shared: dict, key):
     """dense_decode's L > 1 metadata (lychee::segment_plan), once per graph for the sites of one shape; None for one
     query or symbolic shapes (the op then computes it itself)."""
-    q, k = site.q.meta["example_value"].shape, site.kv_k.meta["example_value"].shape   # [B, Hq, L, D], [B, Hkv, T, D]
-    shape = (k[1], q[1] // k[1], k[2], q[2])                             # kv_heads, group, capacity, queries
-    if ranges is None or not all(isinstance(x, int) for x in shape) or shape[3] == 1:
+    q, k = shape(site.q), shape(site.kv_k)                               # [B, Hq, L, D], [B, Hkv, T, D]
+    if ranges is None or q is None or k is None:
         return None
-    node = shared.get((key, "plan", shape))
+    dims = (k[1], q[1] // k[1], k[2], q[2])                              # kv_heads, group, capacity, queries
+    if not all(isinstance(x, int) for x in dims) or dims[3] == 1:
+        return None
+    node = shared.get((key, "plan", dims))
     if node is None:
-        node = graph.call_function(torch.ops.lychee.segment_plan.default, (ranges, *shape, KEY_SEGMENTS))
+        node = graph.call_function(torch.ops.lychee.segment_plan.default, (ranges, *dims, KEY_SEGMENTS))
         node.meta["nn_module_stack"] = ranges.meta["nn_module_stack"]
-        shared[(key, "plan", shape)] = node
+        shared[(key, "plan", dims)] = node
     return node
 
 
