@@ -218,6 +218,31 @@ def test_reencode_rewinds_every_layer_in_one_op():
     assert ops.ops.count("aten::sub_") == 0 and ops.ops.count("aten::_foreach_sub_") == 1, ops.ops
 
 
+def test_step_output_is_copied_before_a_reencode_only():
+    """Under CUDA graphs the decode step's output lives in the graph pool, which the re-encode's graph may reuse:
+    after_step hands back a copy of every tensor in it (ModelOutput, tuples, nested) at a re-encode, else `out`."""
+    from types import SimpleNamespace
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from lychee_compile.passes import Counters
+    from lychee_compile.rectify import Rectifier
+    layers = [SimpleNamespace(cumulative_length=torch.tensor(9), keys=torch.zeros(1, 1, 16, 2))]
+    cache = SimpleNamespace(layers=layers)
+    rectifier = Rectifier(make("llama", "sdpa"), 2, lambda **kw: None, True, Counters())
+    kwargs = dict(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[8]]), past_key_values=cache,
+                  attention_mask=torch.ones(1, 9, dtype=torch.long))
+    out = CausalLMOutputWithPast(logits=torch.ones(1, 1, 3), hidden_states=(torch.ones(1, 1, 4),))
+    assert rectifier.after_step(kwargs, out) is out                          # step 1 of 2: no re-encode
+    copied = rectifier.after_step(kwargs, out)                               # step 2: a re-encode
+    assert isinstance(copied, CausalLMOutputWithPast) and torch.equal(copied.logits, out.logits)
+    assert copied.logits.data_ptr() != out.logits.data_ptr()
+    assert copied.hidden_states[0].data_ptr() != out.hidden_states[0].data_ptr()
+    steps = (torch.ones(1, 1, 3), (torch.ones(2),))                          # return_dict=False: tuples
+    rectifier.after_step(kwargs, steps)
+    assert rectifier.after_step(kwargs, steps)[1][0].data_ptr() != steps[1][0].data_ptr()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_reencode_between_cuda_graph_replays_gpu():
