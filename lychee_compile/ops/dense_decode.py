@@ -129,8 +129,7 @@ def _flash_attend(rows, k_flat, v_flat, cu_q, cu_k, used, max_q: int, max_k: int
     return out, lse
 
 
-def _flash_varlen(q, k, v, valid, scale: float, attend=_flash_attend, ranges=None,
-                  segments: int | None = None, plan=None) -> torch.Tensor:
+def _flash_varlen(q, k, v, valid, scale: float, attend=_flash_attend, ranges=None, plan=None) -> torch.Tensor:
     B, Hq, L, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
     G, n = Hq // Hkv, B * Hkv
@@ -149,7 +148,7 @@ def _flash_varlen(q, k, v, valid, scale: float, attend=_flash_attend, ranges=Non
     # graphs, a graph node with them): the metadata comes once per graph (plan), the merge is spelled in as few ops
     # as give the same values bit for bit
     if plan is None:
-        plan = segment_plan(ranges, Hkv, G, T, L, segments or KEY_SEGMENTS)
+        plan = segment_plan(ranges, Hkv, G, T, L, KEY_SEGMENTS)
     out = _segmented(rows, k_flat, v_flat, plan_parts(plan, n), T, scale, attend)   # [n, L, G, D]
     # cast and layout in one copy where the dtype changes (the fp32 merge of a bf16 / fp16 model), not a reshape
     # copy and then a cast; the same dtype: `to` returns the view and reshape copies it
