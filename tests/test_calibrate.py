@@ -256,3 +256,39 @@ def test_cli_registers_calibrate():
     assert args.func.__module__ == "lychee_compile.calibrate.cli" and args.batch_size == 8
     default = build_parser().parse_args(["calibrate"])
     assert default.target == "passkey=1pt,ppl=2%" and default.search_margin == 0.5 and default.certify_attempts == 4
+
+
+def test_sensitivity_scorer_orders_heads_by_what_each_loses_alone_sparse(tmp_path):
+    # each later global head's score is the search prompts' mean NLL increase over dense with that head alone sparse
+    # at the smallest budget; checked against the eval harness scoring the same prompts with that map, independently
+    from lychee_compile.calibrate.prompts import SEARCH_SEED, prompt_set
+    out = str(tmp_path / "calib")
+    kw = dict(TINY, scorer="sensitivity", certify=False, head_counts=[0, 1, 2])
+    r = calibrate(make("llama"), Tok(), "ppl=50%", out, **kw)
+    scores = torch.tensor(json.loads(r.head_map.metadata["scores"]))            # [3 layers, 2 KV heads]
+    assert scores.shape == (3, 2) and (scores[0] == 0).all() and (scores[1:] != 0).all()
+    layer, head = divmod(int(scores[1:].flatten().argmax()), 2)
+    layer += 1
+    model = make("llama")
+    alone = torch.ones(3, 2, dtype=torch.bool)
+    alone[layer, head] = False
+    cfg = dict(block_size=4, sink_tokens=4, local_tokens=8, backend="eager")
+    sparse = Variant.build(model, method_spec("lychee", model, 16, HeadMap(alone), **cfg))
+    dense = Variant.build(model, method_spec("dense", model, 1))
+    items = prompt_set(Tok(), "ppl", kw["lengths"], kw["search_prompts"], SEARCH_SEED, "persuasion",
+                       kw["score_tokens"], True)
+    loss = []
+    for it in items:
+        pre = dense_prefill(model, it.input_ids, it.max_cache_len)
+        loss.append(sparse.score(pre, it.targets).nll - dense.score(pre, it.targets).nll)
+    state = json.load(open(tmp_path / "calib" / "state.json"))["pieces"]       # the map's metadata rounds to 1e-4
+    assert state[f"sensitivity/b16/{layer}-{head}"] == pytest.approx(sum(loss) / len(loss), rel=1e-4, abs=1e-7)
+    assert torch.allclose(torch.tensor(state["head_scores"]["scores"]), scores, atol=1e-4)
+    for n in (1, 2):       # the n heads that lose the most are the n retrieval heads beyond the first global layer
+        top = {divmod(int(i), 2) for i in scores[1:].flatten().topk(n).indices}
+        chosen = {(lay, h) for lay, h in top_heads(scores, n, [0, 1, 2]).nonzero().tolist() if lay > 0}
+        assert chosen == {(lay + 1, h) for lay, h in top}
+    again = calibrate(make("llama"), Tok(), "ppl=50%", out, **kw)               # resumed: nothing scored
+    assert again.scorings == 0 and torch.equal(torch.tensor(json.loads(again.head_map.metadata["scores"])), scores)
+    assert sorted(k for k in state if k.startswith("sensitivity/")) == \
+        [f"sensitivity/b16/{lay}-{h}" for lay in (1, 2) for h in (0, 1)]

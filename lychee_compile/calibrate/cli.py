@@ -4,9 +4,9 @@
     lychee calibrate --model gemma3-270m --target kl=0.01nat --context 1024,4096 --certify-prompts 300 --out calib
     lychee calibrate --model ./my-hf-model --text corpus.txt --target repeat=2% --no-certify --out calib
 
-Search: heads ordered by --scorer (retrieval-score, or hardkuma), a staircase walk over --heads x --budgets on
---search-prompts prompts per context length and task (seed --search-seed), the point with the fewest KV bytes per
-decode step whose point estimates are within the target less --search-margin. Certify: that point on
+Search: heads ordered by --scorer (retrieval-score, hardkuma, or sensitivity), a staircase walk over --heads x
+--budgets on --search-prompts prompts per context length and task (seed --search-seed), the point with the fewest KV
+bytes per decode step whose point estimates are within the target less --search-margin. Certify: that point on
 --certify-prompts held-out prompts (seed --certify-seed) with paired 95% intervals; "certified" needs every interval
 within the target and >= --min-prompts prompts. While an attempt misses the target, the next candidate is certified
 (the next cheapest passing point not below a rejected one, or an unsearched neighbour with one head count or one
@@ -42,7 +42,8 @@ def add_parser(sub) -> None:
     p.add_argument("--context", default="2048", help="comma-separated context lengths the map must hold for "
                    "(default 2048); prompts are drawn at each, bytes averaged over them")
     p.add_argument("--scorer", choices=SCORERS, default="retrieval-score", help="head ordering (default "
-                   "retrieval-score; hardkuma trains gates first)")
+                   "retrieval-score; hardkuma trains gates first; sensitivity scores the search prompts once per "
+                   "later global KV head made sparse alone, at the smallest budget: for models with few global heads)")
     p.add_argument("--score-samples", type=int, default=8, help="passkey prompts the scorer uses (default 8)")
     p.add_argument("--hardkuma-steps", type=int, default=40, help="--scorer hardkuma: training steps (default 40)")
     p.add_argument("--heads", default=None, help="comma-separated retrieval-head counts beyond the first global "

@@ -1,5 +1,7 @@
 """Per-KV-head scores that order the heads for the search: the retrieval score (default, training-free) or HardKuma
-E[z] (training), both from lychee_compile/training on its passkey samples over Persuasion.
+E[z] (training), both from lychee_compile/training on its passkey samples over Persuasion; or the sensitivity, which
+calibrate's session measures on its own search prompts (Session.sensitivity_scores: each later global head made
+sparse alone, the loss it costs), for models whose few global heads the other two cannot tell apart.
 
     scores = score_heads(model, tokenizer, "retrieval-score", prompt_tokens=2048, samples=8)   # float [L, Hkv]
     retrieval = top_heads(scores, n, global_layers)                                            # bool [L, Hkv]
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-SCORERS = ("retrieval-score", "hardkuma")
+SCORERS = ("retrieval-score", "hardkuma", "sensitivity")
 
 
 def score_heads(model, tokenizer, scorer: str, prompt_tokens: int, samples: int, seed: int = 0,
@@ -20,6 +22,9 @@ def score_heads(model, tokenizer, scorer: str, prompt_tokens: int, samples: int,
     from ..training.data import build_dataset
     if scorer not in SCORERS:
         raise ValueError(f"unknown head scorer {scorer!r}; choose from {', '.join(SCORERS)}")
+    if scorer == "sensitivity":
+        raise ValueError("the sensitivity scorer needs calibrate's search prompts and variants: "
+                         "calibrate/session.py Session.sensitivity_scores")
     data = build_dataset(model, tokenizer, prompt_tokens, samples, seed, None, progress)
     if scorer == "retrieval-score":
         from ..training.retrieval_score import retrieval_scores

@@ -44,12 +44,50 @@ class Session:
         if saved is None:
             k = self.kw
             t0 = time.perf_counter()
-            scores = score_heads(self.model, self.tokenizer, k["scorer"], min(k["lengths"]), k["score_samples"],
-                                 progress=self.progress, hardkuma_steps=k["hardkuma_steps"],
-                                 checkpoint=self.store.path + ".hardkuma")
+            if k["scorer"] == "sensitivity":
+                scores = self.sensitivity_scores()
+            else:
+                scores = score_heads(self.model, self.tokenizer, k["scorer"], min(k["lengths"]), k["score_samples"],
+                                     progress=self.progress, hardkuma_steps=k["hardkuma_steps"],
+                                     checkpoint=self.store.path + ".hardkuma")
             saved = dict(scores=scores.tolist(), wall_s=round(time.perf_counter() - t0, 1))
             self.store.put("head_scores", saved)
         return torch.tensor(saved["scores"])
+
+    def sensitivity_scores(self) -> torch.Tensor:
+        """float [L, Hkv]: for each KV head of the global layers after the first, what the search prompts lose when
+        that head alone is sparse (every other global head retrieval) at the smallest searched budget: the mean
+        increase in NLL per prompt over dense, summed over the target's tasks. top_heads keeps the heads that lose
+        the most as retrieval heads. The first global layer's heads and sliding layers' rows score 0 (never chosen).
+        One scoring of the search prompts per candidate head, each stored as it finishes (resume)."""
+        from ..api import set_head_map
+        from ..head_map import model_geometry
+        layers = self.global_layers()
+        retrieval = torch.zeros(model_geometry(self.model.config), dtype=torch.bool)     # [L, Hkv]
+        retrieval[layers] = True
+        scores = torch.zeros(retrieval.shape)
+        budget = self.kw["budgets"][0]
+        v = self.variant(budget)
+        for layer in layers[1:]:
+            for head in range(retrieval.shape[1]):
+                key = f"sensitivity/b{budget}/{layer}-{head}"
+                if self.store.get(key) is None:
+                    alone = retrieval.clone()
+                    alone[layer, head] = False
+                    set_head_map(v.model, HeadMap(alone, {"method": "sensitivity probe"}).with_model_metadata(
+                        self.model))
+                    loss = 0.0
+                    for task in self.target.tasks:
+                        dense = self.dense_records(task)
+                        self.bar().set_postfix_str(f"sensitivity of layer {layer} head {head}: {task}")
+                        recs = self.bank(task).score(v, "lychee", self.bar().update)
+                        loss += sum(r["nll"] - d["nll"] for r, d in zip(recs, dense)) / len(recs)
+                    self.store.put(key, loss)
+                scores[layer, head] = self.store.get(key)
+        self.log("sensitivity (mean NLL increase per prompt when the head alone is sparse, budget "
+                 f"{budget}): " + ", ".join(f"layer {lay} head {h}: {scores[lay, h]:+.4f}"
+                                            for lay in layers[1:] for h in range(retrieval.shape[1])))
+        return scores
 
     def lychee_config(self, budget: int) -> LycheeConfig:
         k = self.kw
