@@ -260,35 +260,51 @@ def test_cli_registers_calibrate():
 
 def test_sensitivity_scorer_orders_heads_by_what_each_loses_alone_sparse(tmp_path):
     # each later global head's score is the search prompts' mean NLL increase over dense with that head alone sparse
-    # at the smallest budget; checked against the eval harness scoring the same prompts with that map, independently
+    # at the smallest budget; checked against the eval harness scoring the same prompts with that map, independently,
+    # and so is a searched point's perplexity with the map the scores chose (the probes' map must not linger)
+    import math
+
     from lychee_compile.calibrate.prompts import SEARCH_SEED, prompt_set
     out = str(tmp_path / "calib")
     kw = dict(TINY, scorer="sensitivity", certify=False, head_counts=[0, 1, 2])
     r = calibrate(make("llama"), Tok(), "ppl=50%", out, **kw)
-    scores = torch.tensor(json.loads(r.head_map.metadata["scores"]))            # [3 layers, 2 KV heads]
+    state = json.load(open(tmp_path / "calib" / "state.json"))["pieces"]
+    scores = torch.tensor(state["head_scores"]["scores"])                          # [3 layers, 2 KV heads]
     assert scores.shape == (3, 2) and (scores[0] == 0).all() and (scores[1:] != 0).all()
-    layer, head = divmod(int(scores[1:].flatten().argmax()), 2)
-    layer += 1
+    assert sorted(k for k in state if k.startswith("sensitivity/")) == \
+        [f"sensitivity/b16/ppl/{lay}-{h}" for lay in (1, 2) for h in (0, 1)]
+
     model = make("llama")
-    alone = torch.ones(3, 2, dtype=torch.bool)
-    alone[layer, head] = False
-    cfg = dict(block_size=4, sink_tokens=4, local_tokens=8, backend="eager")
-    sparse = Variant.build(model, method_spec("lychee", model, 16, HeadMap(alone), **cfg))
-    dense = Variant.build(model, method_spec("dense", model, 1))
     items = prompt_set(Tok(), "ppl", kw["lengths"], kw["search_prompts"], SEARCH_SEED, "persuasion",
                        kw["score_tokens"], True)
-    loss = []
-    for it in items:
-        pre = dense_prefill(model, it.input_ids, it.max_cache_len)
-        loss.append(sparse.score(pre, it.targets).nll - dense.score(pre, it.targets).nll)
-    state = json.load(open(tmp_path / "calib" / "state.json"))["pieces"]       # the map's metadata rounds to 1e-4
-    assert state[f"sensitivity/b16/{layer}-{head}"] == pytest.approx(sum(loss) / len(loss), rel=1e-4, abs=1e-7)
-    assert torch.allclose(torch.tensor(state["head_scores"]["scores"]), scores, atol=1e-4)
-    for n in (1, 2):       # the n heads that lose the most are the n retrieval heads beyond the first global layer
-        top = {divmod(int(i), 2) for i in scores[1:].flatten().topk(n).indices}
-        chosen = {(lay, h) for lay, h in top_heads(scores, n, [0, 1, 2]).nonzero().tolist() if lay > 0}
-        assert chosen == {(lay + 1, h) for lay, h in top}
+    prefills = [dense_prefill(model, it.input_ids, it.max_cache_len) for it in items]
+    dense = Variant.build(model, method_spec("dense", model, 1))
+    dense_nll = [dense.score(pre, it.targets).nll for pre, it in zip(prefills, items)]
+
+    def mean_loss(retrieval, budget):
+        cfg = dict(block_size=4, sink_tokens=4, local_tokens=8, backend="eager")
+        v = Variant.build(model, method_spec("lychee", model, budget, HeadMap(retrieval), **cfg))
+        return sum(v.score(pre, it.targets).nll - d for pre, it, d in zip(prefills, items, dense_nll)) / len(items)
+
+    layer, head = divmod(int(scores[1:].flatten().argmax()), 2)
+    alone = torch.ones(3, 2, dtype=torch.bool)
+    alone[layer + 1, head] = False
+    assert state[f"sensitivity/b16/ppl/{layer + 1}-{head}"] == pytest.approx(mean_loss(alone, 16), rel=1e-4,
+                                                                              abs=1e-7)
+    one = top_heads(scores, 1, [0, 1, 2])                 # layer 0 + the head that loses the most alone sparse
+    assert int(one[1:].sum()) == 1 and bool(one[layer + 1, head])
+    point = next(p for p in r.points if (p["heads"], p["budget"]) == (1, 16))
+    want = 100.0 * (math.exp(mean_loss(one, 16)) - 1.0)
+    assert point["quality"]["ppl"]["value"] == pytest.approx(want, rel=1e-4, abs=1e-6)
+    assert torch.equal(r.head_map.retrieval, top_heads(scores, r.chosen["heads"], [0, 1, 2]))
+
     again = calibrate(make("llama"), Tok(), "ppl=50%", out, **kw)               # resumed: nothing scored
-    assert again.scorings == 0 and torch.equal(torch.tensor(json.loads(again.head_map.metadata["scores"])), scores)
-    assert sorted(k for k in state if k.startswith("sensitivity/")) == \
-        [f"sensitivity/b16/{lay}-{h}" for lay in (1, 2) for h in (0, 1)]
+    assert again.scorings == 0 and again.points == r.points
+    del state["head_scores"], state[f"sensitivity/b16/ppl/{layer + 1}-{head}"]  # cut short within the probes
+    full = json.load(open(tmp_path / "calib" / "state.json"))
+    full["pieces"] = state
+    json.dump(full, open(tmp_path / "calib" / "state.json", "w"))
+    resumed = calibrate(make("llama"), Tok(), "ppl=50%", out, **kw)
+    assert resumed.scorings == kw["search_prompts"], "only the missing probe is scored again (dense is stored)"
+    assert torch.equal(torch.tensor(json.load(open(tmp_path / "calib" / "state.json"))["pieces"]["head_scores"]
+                                    ["scores"]), scores)

@@ -35,7 +35,7 @@ class Calibration:
     attempts: list[tuple[dict, dict]]   # every certification attempt: (point, certification), in order
     paths: dict
     points_evaluated: int           # points scored in this run (the rest came from state.json)
-    scorings: int                   # search: (variant, prompt) scorings this run, dense reference included
+    scorings: int                   # search: (variant, prompt) scorings this run, dense and sensitivity probes incl.
     certify_scorings: int           # held-out prompts scored this run (dense and lychee each)
 
 

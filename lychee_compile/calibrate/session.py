@@ -59,35 +59,41 @@ class Session:
         that head alone is sparse (every other global head retrieval) at the smallest searched budget: the mean
         increase in NLL per prompt over dense, summed over the target's tasks. top_heads keeps the heads that lose
         the most as retrieval heads. The first global layer's heads and sliding layers' rows score 0 (never chosen).
-        One scoring of the search prompts per candidate head, each stored as it finishes (resume)."""
-        from ..api import set_head_map
+        One scoring of the search prompts per candidate head and task, each stored as it finishes
+        (`sensitivity/b{budget}/{task}/{layer}-{head}`: resume, and the per-task split in state.json). The heads are
+        ranked on the prompts that then judge the search's points: only certification's held-out prompts are free
+        of that selection."""
         from ..head_map import model_geometry
         layers = self.global_layers()
         retrieval = torch.zeros(model_geometry(self.model.config), dtype=torch.bool)     # [L, Hkv]
         retrieval[layers] = True
         scores = torch.zeros(retrieval.shape)
         budget = self.kw["budgets"][0]
-        v = self.variant(budget)
-        for layer in layers[1:]:
-            for head in range(retrieval.shape[1]):
-                key = f"sensitivity/b{budget}/{layer}-{head}"
-                if self.store.get(key) is None:
-                    alone = retrieval.clone()
-                    alone[layer, head] = False
-                    set_head_map(v.model, HeadMap(alone, {"method": "sensitivity probe"}).with_model_metadata(
-                        self.model))
-                    loss = 0.0
-                    for task in self.target.tasks:
-                        dense = self.dense_records(task)
-                        self.bar().set_postfix_str(f"sensitivity of layer {layer} head {head}: {task}")
-                        recs = self.bank(task).score(v, "lychee", self.bar().update)
-                        loss += sum(r["nll"] - d["nll"] for r, d in zip(recs, dense)) / len(recs)
-                    self.store.put(key, loss)
-                scores[layer, head] = self.store.get(key)
-        self.log("sensitivity (mean NLL increase per prompt when the head alone is sparse, budget "
-                 f"{budget}): " + ", ".join(f"layer {lay} head {h}: {scores[lay, h]:+.4f}"
-                                            for lay in layers[1:] for h in range(retrieval.shape[1])))
+        candidates = [(layer, head) for layer in layers[1:] for head in range(retrieval.shape[1])]
+        if not candidates:
+            self.log("sensitivity: no candidate heads (one global layer, whose heads are retrieval anyway)")
+            return scores
+        for layer, head in candidates:
+            alone = retrieval.clone()
+            alone[layer, head] = False
+            for task in self.target.tasks:
+                scores[layer, head] += self._sensitivity(alone, budget, task, f"{layer}-{head}")
+        self.log(f"sensitivity (mean NLL increase per prompt when the head alone is sparse, budget {budget}, summed "
+                 "over " + ", ".join(self.target.tasks) + "): "
+                 + ", ".join(f"layer {lay} head {h}: {scores[lay, h]:+.4f}" for lay, h in candidates))
         return scores
+
+    def _sensitivity(self, retrieval: torch.Tensor, budget: int, task: str, name: str) -> float:
+        key = f"sensitivity/b{budget}/{task}/{name}"
+        if self.store.get(key) is None:
+            from ..api import set_head_map
+            v = self.variant(budget)
+            set_head_map(v.model, HeadMap(retrieval, {"method": "sensitivity probe"}).with_model_metadata(self.model))
+            dense = self.dense_records(task)
+            self.bar().set_postfix_str(f"sensitivity of {name}: {task}")
+            recs = self.bank(task).score(v, "lychee", self.bar().update)
+            self.store.put(key, sum(r["nll"] - d["nll"] for r, d in zip(recs, dense)) / len(recs))
+        return self.store.get(key)
 
     def lychee_config(self, budget: int) -> LycheeConfig:
         k = self.kw
