@@ -308,3 +308,21 @@ def test_sensitivity_scorer_orders_heads_by_what_each_loses_alone_sparse(tmp_pat
     assert resumed.scorings == kw["search_prompts"], "only the missing probe is scored again (dense is stored)"
     assert torch.equal(torch.tensor(json.load(open(tmp_path / "calib" / "state.json"))["pieces"]["head_scores"]
                                     ["scores"]), scores)
+
+
+def test_a_requested_point_is_certified_whatever_its_search_verdict(tmp_path):
+    out = str(tmp_path / "calib")
+    with pytest.raises(ValueError, match="leave at least one sparse"):       # refused before any scoring
+        calibrate(make("llama"), Tok(), TARGET, out, **dict(TINY, certify_point=(4, 64)))
+    assert "head_scores" not in json.load(open(tmp_path / "calib" / "state.json"))["pieces"]
+    with pytest.raises(ValueError, match="certification on"):
+        calibrate(make("llama"), Tok(), TARGET, out, **dict(TINY, certify_point=(1, 64), certify=False))
+    r = calibrate(make("llama"), Tok(), TARGET, out, **dict(TINY, certify_point=(1, 16)))
+    point, cert = r.attempts[0]
+    assert len(r.attempts) == 1 and (point["heads"], point["budget"]) == (1, 16) and not point["passes"]
+    assert point in r.points, "an unvisited requested point is searched first (its search numbers are reported)"
+    assert cert["requested"] and r.chosen == point and r.status == cert["status"] in ("failed", "unconfirmed")
+    rec = HeadMap.load(r.paths["head_map"]).calibration
+    assert rec["recommended_budget"] == 16 and rec["retrieval_heads"] == 1 and rec["certify_attempts"][0]["requested"]
+    assert "the requested point" in open(r.paths["report"]).read()
+    assert r.certify_scorings == TINY["certify_prompts"], "each held-out prompt scored once (dense and lychee)"

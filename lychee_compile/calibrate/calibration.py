@@ -15,6 +15,7 @@ import json
 import os
 import time
 
+from ..head_map import model_geometry
 from .head_scores import beyond_first, score_heads, top_heads
 from .prompts import CERTIFY_SEED, SEARCH_SEED, check_disjoint, digest, prompt_set
 from .search import cheapest, next_candidate, walk
@@ -66,12 +67,14 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
               local_tokens: int = 64, backend: str = "eager", certify: bool = True, certify_backend: str | None = None,
               batch_size: int = 1, score_samples: int = 8, hardkuma_steps: int = 40, search_seed: int = SEARCH_SEED,
               certify_seed: int = CERTIFY_SEED, chat_template: bool = True, progress: bool = True,
-              numerics: str | None = None, log=print) -> Calibration:
+              numerics: str | None = None, certify_point: tuple[int, int] | None = None, log=print) -> Calibration:
     """`head_scores`: float [L, Hkv] to order the heads instead of `scorer`. `certify_backend`: default "inductor"
     on a CUDA model (the GPU kernels), else `backend`. `numerics` ("reference" | "kernels", eval/numerics.py): search
     and certify on that numerics' copy of the model with its backend (kernels: bf16 on CUDA, Inductor, CUDA graphs,
     every rewritten site checked to have run the Triton kernels); None: `model`, `backend` and `certify_backend` as
-    given. See the module docstring and docs/calibrate.md."""
+    given. `certify_point` (retrieval heads beyond the first global layer, budget): certify that point whatever its
+    search verdict (searched first if the walk did not visit it), one attempt, no escalation; the record marks it
+    requested. See the module docstring and docs/calibrate.md."""
     from ..eval.numerics import NUMERICS
     from ..eval.scoring import dynamo_limits
     from .session import Session
@@ -91,6 +94,9 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
     if not 0.0 <= search_margin < 1.0 or certify_attempts < 1:
         raise ValueError(f"search_margin must be in [0, 1) (got {search_margin}) and certify_attempts >= 1 (got "
                          f"{certify_attempts})")
+    if certify_point is not None and (not certify or len(certify_point) != 2 or certify_point[1] < 1):
+        raise ValueError(f"certify_point must be (heads, budget >= 1) with certification on (got {certify_point}, "
+                         f"certify={certify})")
     if certify and certify_seed == search_seed:
         raise ValueError("certify_seed must differ from search_seed: held-out prompts come from unused seeds")
     with dynamo_limits():     # Dynamo's recompile limits raised for the run's many variants (scoped)
@@ -98,8 +104,15 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
         store = Store(out_dir, _settings(model, tgt, kw), aliases={"model": {legacy_config_fingerprint(model.config)}})
         s = Session(model, tokenizer, tgt, store, kw, progress, log)
         t0 = time.perf_counter()
+        room = beyond_first(s.global_layers(), model_geometry(model.config)[1])
+        if certify_point is not None and not 0 <= certify_point[0] < room:      # all `room`: dense's bytes
+            raise ValueError(f"certify_point asks for {certify_point[0]} retrieval heads; this model has {room} "
+                             f"beyond its first global layer, and a point must leave at least one sparse")
         scores = s.head_scores(head_scores)
-        room = beyond_first(s.global_layers(), scores.shape[1])
+        if certify_point is not None and s.kv_bytes(s.head_map(scores, certify_point[0]).retrieval,
+                                                    certify_point[1]) >= s.kv_bytes(None, None):
+            raise ValueError(f"certify_point {tuple(certify_point)} reads as many KV bytes per step as dense at "
+                             f"contexts {list(lengths)}: nothing to certify")
         heads = head_counts or default_heads(room)
         points = walk(heads, budgets, lambda n, b: s.evaluate_point(scores, n, b))
         search_s = time.perf_counter() - t0
@@ -108,13 +121,17 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
         log(f"search: {len(points)} points visited ({s.points_evaluated} evaluated now, the rest resumed), "
             f"{search_s:.0f} s; chosen: {_describe(best)}")
         attempts, held_out = [], {}
-        if best is not None and certify:
+        if certify and (best is not None or certify_point is not None):
             held_out = {task: prompt_set(tokenizer, task, list(lengths), certify_prompts, certify_seed, text,
                                          score_tokens, chat_template) for task in tgt.tasks}
             for task in tgt.tasks:
                 check_disjoint(s.search_items(task), held_out[task])
-            attempts = _certify_until(s, scores, points, heads, budgets, held_out, min_prompts, batch_size,
-                                      certify_backend, certify_seed, certify_attempts, dense, log)
+            run = (s, scores, held_out, min_prompts, batch_size, certify_backend, certify_seed, log)
+            if certify_point is None:
+                attempts = _certify_until(run, points, heads, budgets, certify_attempts, dense)
+            else:
+                point = _visited(s, scores, points, tuple(certify_point))
+                attempts = [_attempt(run, point, "requested", requested=True)]
         chosen, cert = final(attempts) if attempts else (best, None)
         from .outputs import write_outputs
         data = digest(text, *(s.search_items(t) for t in tgt.tasks), *held_out.values())
@@ -123,30 +140,43 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
                            sum(c["scored_now"] for _, c in attempts))
 
 
-def _certify_until(s, scores, points, heads, budgets, held_out, min_prompts, batch_size, backend, seed, cap,
-                   dense, log) -> list[tuple[dict, dict]]:
+def _visited(s, scores, points, hb: tuple[int, int]) -> dict:
+    """The point (heads, budget) of `points`, else searched now and appended."""
+    point = next((p for p in points if (p["heads"], p["budget"]) == hb), None)
+    if point is None:
+        point = s.evaluate_point(scores, *hb)
+        points.append(point)
+    return point
+
+
+def _attempt(run, point: dict, label: str, requested: bool = False) -> dict:
+    """Certify `point` on the held-out prompts; `run` = (session, scores, held_out, min_prompts, batch_size,
+    backend, seed, log)."""
+    s, scores, held_out, min_prompts, batch_size, backend, seed, log = run
+    t1 = time.perf_counter()
+    cert = s.certify(scores, point, held_out, min_prompts, batch_size, backend, seed)
+    cert.update(wall_s=round(time.perf_counter() - t1, 1), requested=requested)
+    log(f"certify {label}: {_describe(point)}: {cert['status']} "
+        f"({'; '.join(cert['reasons']) or 'every interval within the target'})")
+    return point, cert
+
+
+def _certify_until(run, points, heads, budgets, cap, dense) -> list[tuple[dict, dict]]:
     """Certify the cheapest candidate (search.next_candidate); while an attempt misses the target, the next one, at
     most `cap` attempts. An unsearched candidate is searched first (appended to `points`) and certified only if it
     passes the search. Returns [(point, certification)] in attempt order."""
+    s, scores = run[0], run[1]
     attempts = []
     while len(attempts) < cap:
         hb = next_candidate(points, [p for p, _ in attempts], heads, budgets,
                             lambda n, b: s.kv_bytes(s.head_map(scores, n).retrieval, b), dense)
         if hb is None:
             break
-        point = next((p for p in points if (p["heads"], p["budget"]) == hb), None)
-        if point is None:
-            point = s.evaluate_point(scores, *hb)
-            points.append(point)
-            if not point["passes"]:
-                continue
-        t1 = time.perf_counter()
-        cert = s.certify(scores, point, held_out, min_prompts, batch_size, backend, seed)
-        cert["wall_s"] = round(time.perf_counter() - t1, 1)
-        attempts.append((point, cert))
-        log(f"certify {len(attempts)}/{cap}: {_describe(point)}: {cert['status']} "
-            f"({'; '.join(cert['reasons']) or 'every interval within the target'})")
-        if not cert["misses"]:
+        point = _visited(s, scores, points, hb)
+        if not point["passes"]:
+            continue
+        attempts.append(_attempt(run, point, f"{len(attempts) + 1}/{cap}"))
+        if not attempts[-1][1]["misses"]:
             break
     return attempts
 

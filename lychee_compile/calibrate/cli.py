@@ -63,6 +63,9 @@ def add_parser(sub) -> None:
     p.add_argument("--certify-attempts", type=int, default=4, help="points certified at most: while one misses "
                    "the target, the next candidate is certified (default 4)")
     p.add_argument("--no-certify", action="store_true", help="search only; the map is written 'unconfirmed'")
+    p.add_argument("--certify-point", default=None, metavar="HEADS@BUDGET", help="certify this point (retrieval "
+                   "heads beyond the first global layer @ budget) whatever its search verdict: one attempt, no "
+                   "escalation, marked 'requested' in the record and report")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--sink-tokens", type=int, default=16)
     p.add_argument("--local-tokens", type=int, default=64)
@@ -85,6 +88,16 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default="calibration", help="output folder (default calibration); resumable")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
+
+
+def _point(text):
+    """"HEADS@BUDGET" -> (heads, budget); None -> None."""
+    if text is None:
+        return None
+    heads, sep, budget = text.partition("@")
+    if not (sep and heads.strip().isdigit() and budget.strip().isdigit()):
+        raise ValueError(f"--certify-point takes HEADS@BUDGET, e.g. 1@2048 (got {text!r})")
+    return int(heads), int(budget)
 
 
 def _ints(text):
@@ -111,6 +124,9 @@ def run(args) -> int:
     from ..eval.numerics import NUMERICS
     try:
         QualityTarget.parse(args.target)        # a typo fails before the model loads
+        point = _point(args.certify_point)
+        if point is not None and args.no_certify:
+            raise ValueError("--certify-point certifies: it cannot go with --no-certify")
         if args.numerics is not None:           # so does the kernels numerics on a machine without CUDA
             NUMERICS[args.numerics].require()
     except (ValueError, NumericsUnavailable) as exc:
@@ -133,7 +149,7 @@ def run(args) -> int:
                        score_samples=args.score_samples, hardkuma_steps=args.hardkuma_steps,
                        search_seed=args.search_seed, certify_seed=args.certify_seed,
                        chat_template=chat and not args.no_chat_template, progress=not args.no_progress,
-                       numerics=args.numerics)
+                       numerics=args.numerics, certify_point=point)
     print(f"{result.status}; wrote " + ", ".join(result.paths.values()))
     if result.status == "failed":        # the map is written (labelled failed) for inspection, not for use
         print("calibrate: no point met the target on its held-out prompts (report.md says by how much)")

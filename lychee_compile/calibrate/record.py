@@ -69,7 +69,8 @@ def calibration_record(kw: dict, target, chosen: dict, cert: dict | None, attemp
         torch=torch.__version__, device=device, search_wall_s=round(search_s, 1),
         certify_wall_s=None if cert is None else round(sum(c["wall_s"] for _, c in attempts), 1),
         certify_attempts=[dict(heads=p["heads"], budget=p["budget"], bytes_per_step_vs_dense=p["bytes_ratio"],
-                               status=c["status"], quality=_quality(c)) for p, c in attempts],
+                               status=c["status"], quality=_quality(c), requested=c.get("requested", False))
+                          for p, c in attempts],
         certify_backend=None if cert is None else cert["backend"],
         certify_batch_size=None if cert is None else cert["batch_size"])
 

@@ -11,7 +11,9 @@ def _attempts(attempts) -> list[str]:
     lines = ["| attempt | retrieval heads | budget | KV bytes vs dense | held-out quality [95% paired intervals] | "
              "verdict |", "|---|---|---|---|---|---|"]
     lines += [f"| {k + 1} | {p['heads']} | {p['budget']} | {100 * p['bytes_ratio']:.1f}% | {_q(c['quality'])} | "
-              f"{c['status']}" + (": " + "; ".join(c["reasons"]) if c["reasons"] else "") + " |"
+              f"{c['status']}" + (" (the requested point, certified whatever its search verdict)"
+                                  if c.get("requested") else "")
+              + (": " + "; ".join(c["reasons"]) if c["reasons"] else "") + " |"
               for k, (p, c) in enumerate(attempts)]
     return lines
 
