@@ -312,17 +312,41 @@ def test_sensitivity_scorer_orders_heads_by_what_each_loses_alone_sparse(tmp_pat
 
 def test_a_requested_point_is_certified_whatever_its_search_verdict(tmp_path):
     out = str(tmp_path / "calib")
+
+    def pieces():
+        return json.load(open(tmp_path / "calib" / "state.json"))["pieces"]
     with pytest.raises(ValueError, match="leave at least one sparse"):       # refused before any scoring
         calibrate(make("llama"), Tok(), TARGET, out, **dict(TINY, certify_point=(4, 64)))
-    assert "head_scores" not in json.load(open(tmp_path / "calib" / "state.json"))["pieces"]
+    with pytest.raises(ValueError, match="as many KV bytes per step as dense"):   # budget 320 = the whole context
+        calibrate(make("llama"), Tok(), TARGET, out, **dict(TINY, certify_point=(1, 320)))
+    assert "head_scores" not in pieces() and not any(k.startswith("point/") for k in pieces())
     with pytest.raises(ValueError, match="certification on"):
         calibrate(make("llama"), Tok(), TARGET, out, **dict(TINY, certify_point=(1, 64), certify=False))
     r = calibrate(make("llama"), Tok(), TARGET, out, **dict(TINY, certify_point=(1, 16)))
     point, cert = r.attempts[0]
     assert len(r.attempts) == 1 and (point["heads"], point["budget"]) == (1, 16) and not point["passes"]
-    assert point in r.points, "an unvisited requested point is searched first (its search numbers are reported)"
+    assert [(p["heads"], p["budget"]) for p in r.points].count((1, 16)) == 1 and r.points[-1] is point, \
+        "an unvisited requested point is searched once, after the walk (its search numbers are reported)"
     assert cert["requested"] and r.chosen == point and r.status == cert["status"] in ("failed", "unconfirmed")
     rec = HeadMap.load(r.paths["head_map"]).calibration
     assert rec["recommended_budget"] == 16 and rec["retrieval_heads"] == 1 and rec["certify_attempts"][0]["requested"]
-    assert "the requested point" in open(r.paths["report"]).read()
+    assert rec["requested"] and rec["search_passes"] is False
+    assert "Requested by --certify-point" in open(r.paths["report"]).read()
     assert r.certify_scorings == TINY["certify_prompts"], "each held-out prompt scored once (dense and lychee)"
+
+    again = calibrate(make("llama"), Tok(), TARGET, out, **dict(TINY, certify_point=(1, 16)))   # resumed
+    assert again.points_evaluated == 0 and again.certify_scorings == 0 and again.points == r.points
+    visited = next(p for p in r.points if p["heads"] < 4 and p is not point)      # a point the walk visited
+    other = calibrate(make("llama"), Tok(), TARGET, out,
+                      **dict(TINY, certify_point=(visited["heads"], visited["budget"])))
+    assert other.points_evaluated == 0 and other.points == r.points[:-1] and other.chosen == visited, \
+        "a visited requested point is certified as visited: nothing searched again, nothing appended"
+    assert HeadMap.load(other.paths["head_map"]).calibration["requested"]
+
+
+def test_certify_point_argument_parses_heads_at_budget():
+    from lychee_compile.calibrate.cli import _point
+    assert _point(None) is None and _point("1@2048") == (1, 2048) and _point(" 1 @ 2048") == (1, 2048)
+    for bad in ("@", "1@", "@64", "a@b", "1@-5", "\u00b2@2048", "1,2048"):
+        with pytest.raises(ValueError, match="HEADS@BUDGET"):
+            _point(bad)

@@ -105,21 +105,17 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
         s = Session(model, tokenizer, tgt, store, kw, progress, log)
         t0 = time.perf_counter()
         room = beyond_first(s.global_layers(), model_geometry(model.config)[1])
-        if certify_point is not None and not 0 <= certify_point[0] < room:      # all `room`: dense's bytes
-            raise ValueError(f"certify_point asks for {certify_point[0]} retrieval heads; this model has {room} "
-                             f"beyond its first global layer, and a point must leave at least one sparse")
+        if certify_point is not None:
+            _check_requested(s, tuple(certify_point), room)
         scores = s.head_scores(head_scores)
-        if certify_point is not None and s.kv_bytes(s.head_map(scores, certify_point[0]).retrieval,
-                                                    certify_point[1]) >= s.kv_bytes(None, None):
-            raise ValueError(f"certify_point {tuple(certify_point)} reads as many KV bytes per step as dense at "
-                             f"contexts {list(lengths)}: nothing to certify")
         heads = head_counts or default_heads(room)
         points = walk(heads, budgets, lambda n, b: s.evaluate_point(scores, n, b))
         search_s = time.perf_counter() - t0
         dense = s.kv_bytes(None, None)         # a point reading as many bytes saves nothing: never chosen
         best = cheapest(points, dense)
         log(f"search: {len(points)} points visited ({s.points_evaluated} evaluated now, the rest resumed), "
-            f"{search_s:.0f} s; chosen: {_describe(best)}")
+            f"{search_s:.0f} s; chosen: {_describe(best)}"
+            + ("" if certify_point is None else f"; certifying the requested point {tuple(certify_point)} instead"))
         attempts, held_out = [], {}
         if certify and (best is not None or certify_point is not None):
             held_out = {task: prompt_set(tokenizer, task, list(lengths), certify_prompts, certify_seed, text,
@@ -140,6 +136,21 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
                            sum(c["scored_now"] for _, c in attempts))
 
 
+def _check_requested(s, point: tuple[int, int], room: int) -> None:
+    """Before any scoring: the requested point leaves a head sparse, its budget makes a valid config, and it reads
+    fewer KV bytes per step than dense (the bytes depend on how many heads are retrieval, not which)."""
+    heads, budget = point
+    if not 0 <= heads < room:             # all `room` heads retrieval reads dense's bytes
+        raise ValueError(f"certify_point asks for {heads} retrieval heads; this model has {room} beyond its first "
+                         f"global layer, and a point must leave at least one sparse")
+    s.lychee_config(budget)               # LycheeConfigError (a ValueError) for a budget the config refuses
+    import torch
+    some = top_heads(torch.zeros(model_geometry(s.model.config)), heads, s.global_layers())
+    if s.kv_bytes(some, budget) >= s.kv_bytes(None, None):
+        raise ValueError(f"certify_point {point} reads as many KV bytes per step as dense at contexts "
+                         f"{s.kw['lengths']}: nothing to certify")
+
+
 def _visited(s, scores, points, hb: tuple[int, int]) -> dict:
     """The point (heads, budget) of `points`, else searched now and appended."""
     point = next((p for p in points if (p["heads"], p["budget"]) == hb), None)
@@ -149,7 +160,7 @@ def _visited(s, scores, points, hb: tuple[int, int]) -> dict:
     return point
 
 
-def _attempt(run, point: dict, label: str, requested: bool = False) -> dict:
+def _attempt(run, point: dict, label: str, requested: bool = False) -> tuple[dict, dict]:
     """Certify `point` on the held-out prompts; `run` = (session, scores, held_out, min_prompts, batch_size,
     backend, seed, log)."""
     s, scores, held_out, min_prompts, batch_size, backend, seed, log = run
@@ -172,8 +183,10 @@ def _certify_until(run, points, heads, budgets, cap, dense) -> list[tuple[dict, 
                             lambda n, b: s.kv_bytes(s.head_map(scores, n).retrieval, b), dense)
         if hb is None:
             break
+        searched = any((p["heads"], p["budget"]) == hb for p in points)
         point = _visited(s, scores, points, hb)
         if not point["passes"]:
+            assert not searched, f"next_candidate offered {hb}, which failed the search"    # else: no progress
             continue
         attempts.append(_attempt(run, point, f"{len(attempts) + 1}/{cap}"))
         if not attempts[-1][1]["misses"]:

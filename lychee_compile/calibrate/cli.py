@@ -95,7 +95,7 @@ def _point(text):
     if text is None:
         return None
     heads, sep, budget = text.partition("@")
-    if not (sep and heads.strip().isdigit() and budget.strip().isdigit()):
+    if not (sep and heads.strip().isdecimal() and budget.strip().isdecimal()):
         raise ValueError(f"--certify-point takes HEADS@BUDGET, e.g. 1@2048 (got {text!r})")
     return int(heads), int(budget)
 
@@ -119,7 +119,6 @@ def load_model(name: str, sha256: str | None, progress: bool):
 def run(args) -> int:
     import torch
     from ..errors import NumericsUnavailable, RealModelUnavailable
-    from .calibration import calibrate
     from .target import QualityTarget
     from ..eval.numerics import NUMERICS
     try:
@@ -127,6 +126,10 @@ def run(args) -> int:
         point = _point(args.certify_point)
         if point is not None and args.no_certify:
             raise ValueError("--certify-point certifies: it cannot go with --no-certify")
+        if point is not None:                   # a budget the config refuses fails before the model loads
+            from ..config import LycheeConfig
+            LycheeConfig(budget=point[1], block_size=args.block_size, sink_tokens=args.sink_tokens,
+                         local_tokens=args.local_tokens)
         if args.numerics is not None:           # so does the kernels numerics on a machine without CUDA
             NUMERICS[args.numerics].require()
     except (ValueError, NumericsUnavailable) as exc:
@@ -139,19 +142,24 @@ def run(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
-    result = calibrate(model, tok, args.target, args.out, lengths=_ints(args.context), text=args.text,
-                       scorer=args.scorer, head_counts=_ints(args.heads), budgets=_ints(args.budgets),
-                       search_prompts=args.search_prompts, search_margin=args.search_margin,
-                       certify_prompts=args.certify_prompts, certify_attempts=args.certify_attempts,
-                       min_prompts=args.min_prompts, score_tokens=args.score_tokens, block_size=args.block_size,
-                       sink_tokens=args.sink_tokens, local_tokens=args.local_tokens, backend=args.backend,
-                       certify=not args.no_certify, certify_backend=args.certify_backend, batch_size=args.batch_size,
-                       score_samples=args.score_samples, hardkuma_steps=args.hardkuma_steps,
-                       search_seed=args.search_seed, certify_seed=args.certify_seed,
-                       chat_template=chat and not args.no_chat_template, progress=not args.no_progress,
-                       numerics=args.numerics, certify_point=point)
+    result = _calibrate(model, tok, chat, point, args)   # its refusals (settings, a requested point) come first
     print(f"{result.status}; wrote " + ", ".join(result.paths.values()))
     if result.status == "failed":        # the map is written (labelled failed) for inspection, not for use
-        print("calibrate: no point met the target on its held-out prompts (report.md says by how much)")
+        print("calibrate: the certified point missed the target on its held-out prompts (report.md says by how much)")
         return 1
     return 0 if result.head_map is not None else 1
+
+
+def _calibrate(model, tok, chat, point, args):
+    from .calibration import calibrate
+    return calibrate(model, tok, args.target, args.out, lengths=_ints(args.context), text=args.text,
+                     scorer=args.scorer, head_counts=_ints(args.heads), budgets=_ints(args.budgets),
+                     search_prompts=args.search_prompts, search_margin=args.search_margin,
+                     certify_prompts=args.certify_prompts, certify_attempts=args.certify_attempts,
+                     min_prompts=args.min_prompts, score_tokens=args.score_tokens, block_size=args.block_size,
+                     sink_tokens=args.sink_tokens, local_tokens=args.local_tokens, backend=args.backend,
+                     certify=not args.no_certify, certify_backend=args.certify_backend, batch_size=args.batch_size,
+                     score_samples=args.score_samples, hardkuma_steps=args.hardkuma_steps,
+                     search_seed=args.search_seed, certify_seed=args.certify_seed,
+                     chat_template=chat and not args.no_chat_template, progress=not args.no_progress,
+                     numerics=args.numerics, certify_point=point)

@@ -57,7 +57,8 @@ def calibration_record(kw: dict, target, chosen: dict, cert: dict | None, attemp
     return dict(
         status=status, reasons=reasons, target=str(target),
         quality=None if cert is None else _quality(cert),
-        search_quality=chosen["quality"],
+        search_quality=chosen["quality"], search_passes=chosen["passes"],
+        requested=bool(cert and cert.get("requested")),       # --certify-point: certified whatever the search said
         prompts=dict(search_per_length=kw["search_prompts"], search_seed=kw["search_seed"],
                      held_out={m: q["n"] for m, q in (cert or {}).get("quality", {}).items()},
                      certify_seed=None if cert is None else cert["seed"]),

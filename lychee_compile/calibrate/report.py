@@ -47,7 +47,9 @@ def render(record: dict | None, points: list[dict], attempts, kw: dict, target, 
     lines += ["", "## Chosen", "",
               f"{record['retrieval_heads']} retrieval heads beyond the first global layer, recommended budget "
               f"**{record['recommended_budget']} tokens**, {100 * record['bytes_per_step_vs_dense']:.1f}% of dense "
-              f"KV bytes per step, for contexts {record['context_range'][0]}-{record['context_range'][1]}.", "",
+              f"KV bytes per step, for contexts {record['context_range'][0]}-{record['context_range'][1]}."
+              + (f" Requested by --certify-point, not the search's choice; on the search prompts it "
+                 f"{'passed' if record['search_passes'] else 'missed'}." if record.get("requested") else ""), "",
               "## Certification (held-out prompts)", ""]
     if record["quality"] is None:
         lines.append("Not run.")
