@@ -89,9 +89,7 @@ class Session:
             from ..api import set_head_map
             v = self.variant(budget)
             set_head_map(v.model, HeadMap(retrieval, {"method": "sensitivity probe"}).with_model_metadata(self.model))
-            dense = self.dense_records(task)
-            self.bar().set_postfix_str(f"sensitivity of {name}: {task}")
-            recs = self.bank(task).score(v, "lychee", self.bar().update)
+            recs, dense = self._scored(v, task, f"sensitivity of {name}")
             self.store.put(key, sum(r["nll"] - d["nll"] for r, d in zip(recs, dense)) / len(recs))
         return self.store.get(key)
 
@@ -175,10 +173,8 @@ class Session:
         v = self.variant(budget)
         set_head_map(v.model, hm)
         for task in self.target.tasks:
-            dense = self.dense_records(task)
             before = v.counters().decode_calls
-            self.bar().set_postfix_str(f"{heads} heads, budget {budget}: {task}")
-            recs = self.bank(task).score(v, "lychee", self.bar().update, kl=self.target.needs_kl(task))
+            recs, dense = self._scored(v, task, f"{heads} heads, budget {budget}", kl=self.target.needs_kl(task))
             row = compare(recs, dense, "lychee")
             rec["counters"][task] = counters_of(v, before)
             for metric in self.target.of_task(task):
@@ -191,6 +187,12 @@ class Session:
                  + ", ".join(f"{m} {q['value']:+.3g}" for m, q in rec["quality"].items())
                  + (" -> passes the search" if rec["passes"] else " -> misses"))
         return rec
+
+    def _scored(self, variant, task: str, what: str, kl: bool = False) -> tuple[list[dict], list[dict]]:
+        """The search prompts of `task` scored through `variant` as its map stands, and the dense records."""
+        dense = self.dense_records(task)
+        self.bar().set_postfix_str(f"{what}: {task}")
+        return self.bank(task).score(variant, "lychee", self.bar().update, kl=kl), dense
 
     def judged(self, rec: dict) -> dict:
         """The point with `passes` by the search rule: every point estimate within the bound less the margin
