@@ -34,11 +34,14 @@ Rows, in this order within a case unless --rows orders them (--max-seconds cuts 
 Per case: the collectives of one decode step (counted with torch.profiler over one eager step of transformers' TP
 model: the process group's own records, as tests/test_tensor_parallel.py counts them) and their time alone
 (allreduce_ms): that many all-reduces of [B, 1, hidden] and all-gathers of [B, 1, vocab / ranks] (lm_head's gathered
-logits, logits_to_keep=1), --collective-steps steps, each replayed as one CUDA graph (a loop on the CPU), median.
+logits, logits_to_keep=1), --collective-steps steps, each replayed as one CUDA graph (a loop on the CPU), median;
+with --lychee symm_mem_all_reduce=true on CUDA also with the all-reduces as lychee::one_shot_all_reduce
+(allreduce_one_shot_ms), which is what those lychee rows run and what their ratio adds to their floor.
 Per row: ms per step, median and p90 over the timed steps of each rank (reported: rank 0 and the largest over ranks);
 floor_ms = (this rank's weight shards + the KV bytes the row reads) / the device-to-device copy rate measured in the
 same run (e2e.measure_copy_bw, mean over ranks), where the KV bytes add each layer's LARGEST rank (the two
-all-reduces of every layer make each rank wait for the slowest one's attention); the ratio to floor + all-reduce;
+all-reduces of every layer make each rank wait for the slowest one's attention); the ratio to floor + all-reduce
+(the row's kind of all-reduce, allreduce_kind);
 hybrid / flash_dense; the retrieval heads and KV bytes per rank (imbalance); Dynamo compiles during the timed steps
 (must be 0); the compile (first call) wall time.
 Targets (recorded as met or not, not enforced): hybrid_12.5 >= 2.5x flash_dense (stated for 131072x4; computed for
@@ -81,7 +84,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.e2e import (GIB, MODELS, BenchError, Budget, DecodeLoop, StepClock, Variant, _ctx, _fmt,  # noqa: E402
                             all_retrieval_map, cpu_compile_config, delta, dynamo_counts, find, first_call,
-                            greedy_without_eos, kv_read_bytes, layer_counts, lychee_config, make_cache, max_cache_len,
+                            greedy_without_eos, kv_read_bytes, layer_counts, lychee_config, lychee_overrides,
+                            make_cache, max_cache_len,
                             measure_copy_bw, memory_now, model_config, quantile, quiet_effective, recompiles_of,
                             release_compiled, reset_peak, setup_environment, sync, targets_table, time_decode,
                             weights_bytes)
@@ -244,19 +248,27 @@ def step_collectives(model, forward, cache, ctx: int, batch: int, device: str) -
     return dict(collections.Counter(kinds))
 
 
-def time_collectives(counts: dict, batch: int, cfg, dtype, device: str, steps: int) -> dict:
+def time_collectives(counts: dict, batch: int, cfg, dtype, device: str, steps: int, one_shot=None) -> dict:
     """One decode step's collectives alone, at a TP Llama decode step's sizes: counts["all_reduce"] all-reduces of
     [B, 1, hidden] (o_proj, down_proj, a vocabulary-sharded embedding) and counts["all_gather"] all-gathers of
     [B, 1, vocab / ranks] (lm_head's logits). Each step replays one CUDA graph of them (a loop on the CPU, or where
-    capture fails); median and p90 ms per step over `steps`."""
+    capture fails); median and p90 ms per step over `steps`. one_shot = (group, rendezvoused buffer): the all-reduces
+    are lychee::one_shot_all_reduce, what a lychee row runs with LycheeConfig.symm_mem_all_reduce; the all-gathers
+    stay the process group's."""
     world = dist.get_world_size()
     hidden = torch.zeros(batch, 1, cfg.hidden_size, dtype=dtype, device=device)      # zeros: sums stay finite
     part = torch.zeros(batch, 1, cfg.vocab_size // world, dtype=dtype, device=device)
     whole = torch.empty(world * batch, 1, cfg.vocab_size // world, dtype=dtype, device=device)
 
+    def all_reduce():
+        if one_shot is None:
+            dist.all_reduce(hidden)
+        else:
+            torch.ops.lychee.one_shot_all_reduce(hidden, one_shot[1], one_shot[0].group_name)
+
     def step():
         for _ in range(counts.get("all_reduce", 0)):
-            dist.all_reduce(hidden)
+            all_reduce()
         for _ in range(counts.get("all_gather", 0)):
             dist.all_gather_into_tensor(whole, part)
     for _ in range(3):
@@ -367,6 +379,11 @@ def prepare_case(cargs, model, case: dict, copy_bw: float):
         counts = dict(all_reduce=2 * model.config.num_hidden_layers, all_gather=1)
         source = "assumed (the profiler saw none): o_proj and down_proj per layer, lm_head's gather"
     timed = time_collectives(counts, batch, model.config, cargs.dtype, device, cargs.collective_steps)
+    # what the lychee rows' all-reduces run as where they opt in (--lychee symm_mem_all_reduce=true)
+    one_shot = one_shot_group(model, device) if lychee_overrides(cargs).get("symm_mem_all_reduce") else None
+    if one_shot is not None:
+        alone = time_collectives(counts, batch, model.config, cargs.dtype, device, cargs.collective_steps, one_shot)
+        timed.update(allreduce_one_shot_ms=alone["allreduce_ms"], allreduce_one_shot_p90_ms=alone["allreduce_p90_ms"])
     per_rank = gathered(dict(kv_heads=kv_heads, weights=weights_bytes(model, batch), collectives=counts, **timed))
     case.update(kv_heads_per_rank=[p["kv_heads"] for p in per_rank], weights_bytes_per_rank=[p["weights"] for p in
                 per_rank], collectives_per_step=per_rank[0]["collectives"],
@@ -376,11 +393,29 @@ def prepare_case(cargs, model, case: dict, copy_bw: float):
                                        all_gather=[batch, 1, model.config.vocab_size // len(per_rank)]),
                 allreduce_ms=max(p["allreduce_ms"] for p in per_rank),
                 allreduce_p90_ms=max(p["allreduce_p90_ms"] for p in per_rank), allreduce_method=per_rank[0]["method"],
+                allreduce_one_shot_ms=max((p["allreduce_one_shot_ms"] for p in per_rank if "allreduce_one_shot_ms" in p),
+                                          default=None),
                 copy_bw_TBps=copy_bw / 1e12, max_cache_len=max_cache_len(cargs))
+    one_shot_ms = case["allreduce_one_shot_ms"]
     say(f"== case {_ctx(ctx)}x{batch}: {case['kv_heads_per_rank']} KV heads per rank, collectives per step "
-        f"{case['collectives_per_step']}, alone {case['allreduce_ms']:.3f} ms ({case['allreduce_method']}), weights "
+        f"{case['collectives_per_step']}, alone {case['allreduce_ms']:.3f} ms ({case['allreduce_method']})"
+        f"{'' if one_shot_ms is None else f', with one-shot all-reduces {one_shot_ms:.3f} ms'}, weights "
         f"{max(case['weights_bytes_per_rank']) / GIB:.2f} GiB per rank")
     return cache
+
+
+def one_shot_group(model, device: str):
+    """(the model's TP group, a rendezvoused buffer) as lychee_compile makes them for symm_mem_all_reduce, or None
+    where lychee would not use them (CPU ranks; symmetric memory failing here: printed)."""
+    from lychee_compile.tensor_parallel import _symmetric_buffer, process_group
+    group = process_group(model)
+    if device != "cuda" or group is None:
+        return None
+    try:
+        return group, _symmetric_buffer(group, torch.device("cuda", torch.cuda.current_device()))
+    except Exception as exc:  # noqa: BLE001  (the lychee rows will say the same: their config resolves it off)
+        say(f"   symmetric memory unavailable: {type(exc).__name__}: {str(exc)[:200]}")
+        return None
 
 
 def run_group(cargs, group: str, rows: list[str], model, cache, case: dict, load_s: float, clock: Budget,
@@ -492,6 +527,8 @@ def time_row(cargs, variant, cache, case: dict, graphs: bool, row: str) -> dict:
                 peak_gb=memory_now(device)["peak_gb"])
     if state is not None:
         c = state.counters
+        mine.update(one_shot_all_reduce=state.config.symm_mem_all_reduce,
+                    all_reduces_one_shot=c.all_reduces_one_shot, all_reduces_kept=c.all_reduces_kept)
         mine.update(decode_calls=c.decode_calls - calls0, sites_rewritten=c.sites_rewritten,
                     graphs_left_dense=c.graphs_left_dense, sites_on_kernel=c.sites_on_kernel,
                     sites_on_reference=c.sites_on_reference, linears_fused=c.linears_fused)
@@ -539,7 +576,8 @@ def profile_steps(loop, steps: int, device: str) -> dict:
             loop.step()
         sync(device)
     events = profile_events(prof, cuda)
-    category = lambda name: "NCCL" if "nccl" in name.lower() else kernel_category(name)     # noqa: E731
+    category = lambda name: ("NCCL" if "nccl" in name.lower() else "one-shot all-reduce (symm_mem)"     # noqa: E731
+                             if "one_shot_all_reduce" in name.lower() else kernel_category(name))
     cats = collections.Counter()
     for name, t, _ in events:
         cats[category(name)] += t / 1e3 / steps
@@ -581,6 +619,8 @@ def row_errors(cargs, case: dict, per_rank: list[dict]) -> list[str]:
         if p["decode_calls"] != cargs.warmup + cargs.steps:
             errors.append(f"rank {r}: the rewritten decode graph ran {p['decode_calls']} times in "
                           f"{cargs.warmup + cargs.steps} steps")
+        if p.get("one_shot_all_reduce") and not p["all_reduces_one_shot"]:
+            errors.append(f"rank {r}: symm_mem_all_reduce on, but no all-reduce became one-shot")
         if cargs.device == "cuda" and p["sites_on_reference"]:
             errors.append(f"rank {r}: {p['sites_on_reference']} sites on the op's reference, not the kernels")
     return errors
@@ -592,11 +632,14 @@ def row_record(cargs, case, row, mode, compile_info, load_s, per_rank, effective
     kv = kv_bytes(row, effective, shards, cfg, batch, valid, cargs)
     weights = max(case["weights_bytes_per_rank"])
     floor_ms = (weights + kv["synchronized"]) / (case["copy_bw_TBps"] * 1e12) * 1e3
+    one_shot = any(p.get("one_shot_all_reduce") for p in per_rank)       # the row's all-reduces, timed alone as such
+    allreduce_ms = case["allreduce_one_shot_ms"] if one_shot else case["allreduce_ms"]
     rec = dict(context=ctx, batch=batch, row=row, mode=mode, steps=cargs.steps, warmup=cargs.warmup,
                ms_median_rank0=per_rank[0]["ms"], ms_median_max=max(p["ms"] for p in per_rank),
                ms_p90_rank0=per_rank[0]["p90_ms"], ms_p90_max=max(p["p90_ms"] for p in per_rank),
                loop_ms_max=max(p["loop_ms"] for p in per_rank), floor_ms=floor_ms,
-               allreduce_ms=case["allreduce_ms"], weights_bytes_per_rank=weights, kv_bytes_per_rank=kv["per_rank"],
+               allreduce_ms=allreduce_ms, allreduce_kind="symm_mem one-shot" if one_shot else "process group",
+               weights_bytes_per_rank=weights, kv_bytes_per_rank=kv["per_rank"],
                kv_bytes_synchronized=kv["synchronized"], mean_valid=valid, load_s=load_s,
                compile_s=compile_info["compile_s"], compile_counts=compile_info.get("compile_counts"),
                compile_peak_gb_rank0=compile_info.get("compile_peak_gb"), cuda_graphs=compile_info["cuda_graphs"],
@@ -604,7 +647,7 @@ def row_record(cargs, case, row, mode, compile_info, load_s, per_rank, effective
                recompiles=max(p["recompiles"] for p in per_rank),
                peak_gb=max((p["peak_gb"] for p in per_rank if p["peak_gb"] is not None), default=None),
                per_rank=per_rank)
-    rec["x_floor_allreduce"] = rec["ms_median_max"] / (floor_ms + case["allreduce_ms"])
+    rec["x_floor_allreduce"] = rec["ms_median_max"] / (floor_ms + allreduce_ms)
     if effective is not None:
         rec.update(imbalance(effective, shards), budget=cargs.budget)
     errors = row_errors(cargs, case, per_rank)

@@ -28,7 +28,7 @@ from .install import STATE_ATTR, install
 from .lowering.kernel_path import refuse_probe_sites
 from .rectify import reencode_mode
 from .state_buffers import write_kinds
-from .tensor_parallel import agreed, kv_shard, local_linear_shards, process_group
+from .tensor_parallel import agreed, kv_shard, local_linear_shards, process_group, resolved_all_reduce
 from .passes import Counters, PassContext, run_passes
 from .passes.fuse_linears import sibling_groups
 
@@ -69,10 +69,14 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
                                 "buffers whose slots cannot be re-encoded in place. Use rectify_every=0 here.")
     retrieval = head_map.effective(global_layers, config.first_layer_retrieval)
     streaming = head_map.streaming
+    config, all_reduce, all_reduce_failure, all_reduce_buffer = agreed(
+        group, lambda: resolved_all_reduce(config, shard, model.device))
     if shard is not None:
-        info("lychee_compile: %s", shard.describe())
+        info("lychee_compile: %s; %s", shard.describe(), all_reduce)
         retrieval, streaming = shard.columns(retrieval), shard.columns(streaming)
     counters = Counters()
+    if all_reduce_failure:
+        counters.reasons.append(all_reduce_failure)
     snapshots: list[str] = []
 
     def backend_for(cfg, reencode=False):
@@ -87,7 +91,7 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     reencode_backend = (backend_for(config, reencode=True)
                         if config.rectify_every and reencode_mode(config, counters) else None)   # strict: may raise
     install(model, config, backend, dynamic_backend, reencode_backend, linear_groups, retrieval[global_layers],
-            global_layers, counters)
+            global_layers, counters, all_reduce_buffer)
     setattr(model, STATE_ATTR, LycheeState(config, head_map, retrieval, global_layers, counters, backend, snapshots))
     state_of(model).budget_from_map = budget_from_map
     state_of(model).shard = shard

@@ -143,6 +143,13 @@ class LycheeConfig:
     # o_proj / down_proj at 1-4 rows 2-2.5 us faster each on the H200), unless CUBLAS_WORKSPACE_CONFIG is set.
     # True keeps cuBLAS's default workspace.
     decode_blas_workspace: bool = False
+    # Tensor parallel on CUDA, opt-in: the step's all-reduces of the hidden state ([B, 1, hidden], up to 128 KB) run
+    # as lychee::one_shot_all_reduce -- torch's symmetric-memory one-shot kernel, which reads the peers' buffers over
+    # NVLink -- instead of the process group's (NCCL) all-reduce (pass one_shot_all_reduce); lychee_compile
+    # rendezvouses the buffer (tensor_parallel.resolved_all_reduce). The same all-reduces and sums. Off by default:
+    # the step's gain on the hybrid path is not shown yet, and the processes that used it did not exit on their own
+    # (docs/tensor-parallel.md). No effect in one process or on CPU ranks.
+    symm_mem_all_reduce: bool = False
     # Code-generation choices below these (KernelOptions above): benchmarks' switches, defaults are the fast path.
     kernels: KernelOptions = KernelOptions()
 
@@ -220,7 +227,7 @@ class LycheeConfig:
             raise LycheeConfigError("attention='flash_dense' is plain dense attention (the speed baseline): heat, "
                                     "Quest and rectification do not apply. Turn them off, or use attention='hybrid'.")
         for name in ("cuda_graphs", "defer_selection", "tune_kernels", "fuse_linears", "decode_blas_workspace",
-                     "compile_reencode"):
+                     "compile_reencode", "symm_mem_all_reduce"):
             if not isinstance(getattr(self, name), bool) and not (name == "cuda_graphs" and self.cuda_graphs is None):
                 raise LycheeConfigError(f"LycheeConfig.{name} must be a bool, got {getattr(self, name)!r}.")
         if self.cuda_graphs and self.backend != "inductor":

@@ -10,7 +10,7 @@
      by default through a compiled call of the model's own for it (a second code object, its own backend without
      CUDA graphs: a prefill graph whose attention the pass rewrite makes lychee::dense_decode).
   5. state buffers registered (`_lychee_kinds`; `_lychee_heat` with heat; `_lychee_quest` at the first prefill with
-     Quest), forward wrapped to announce them to the graph and rebuild them at a prefill; with Quest,
+     Quest; `_lychee_all_reduce` under tensor parallelism on CUDA), forward wrapped to announce them to the graph and rebuild them at a prefill; with Quest,
      get_compiled_call wrapped to rebuild descriptors for a cache this model did not prefill (state_buffers.py).
   6. forward wrapped to route decode steps made outside the compiled call (beam search's, on the static cache)
      through it and those on a DynamicCache through the backend, and generate() wrapped to let cache objects in
@@ -46,16 +46,17 @@ log = logging.getLogger("lychee_compile")
 
 
 def install(model, config, backend, dynamic_backend, reencode_backend, linear_groups, kinds, global_layers,
-            counters) -> None:
+            counters, all_reduce_buffer=None) -> None:
     """Steps 1-8 of the module docstring (api.lychee_compile sets 9). kinds: bool [Lg, Hkv], the head kinds of the
     global layers `global_layers`; dynamic_backend: the backend for DynamicCache decode steps; reencode_backend: the
-    backend of rectification's re-encode, None where it runs the uncompiled model (rectify.reencode_mode)."""
+    backend of rectification's re-encode, None where it runs the uncompiled model (rectify.reencode_mode);
+    all_reduce_buffer: tensor parallel, the symmetric buffer of lychee::one_shot_all_reduce (or None)."""
     _compile_decode_steps(model, backend)                                            # 1, 2
     if config.fuse_linears:
         fuse_weights(model, linear_groups)                                           # 3
     if config.rectify_every:                                                         # 4
         install_rectification(model, config.rectify_every, reencode_backend, counters)
-    before_decode = install_state(model, config, kinds, global_layers)              # 5
+    before_decode = install_state(model, config, kinds, global_layers, all_reduce_buffer)  # 5
     install_dynamic_cache(model, dynamic_backend, config, before_decode)            # 6
     install_beam_reorder(model)                                                      # 7
     _guard_generate(model, counters, config)                                         # 8

@@ -1,6 +1,7 @@
 """Install the cross-step state buffers on a compiled model (layout: ops/state.py) and keep them current.
 
-lychee_compile() registers `_lychee_kinds` (always) and `_lychee_heat` (heat enabled) as non-persistent buffers,
+lychee_compile() registers `_lychee_kinds` (always), `_lychee_heat` (heat enabled) and `_lychee_all_reduce` (tensor
+parallel on CUDA, symm_mem_all_reduce: made and rendezvoused by tensor_parallel.resolved_all_reduce) as non-persistent buffers,
 marks them static for Dynamo (one address for the model's life: CUDA graphs replay against it), and wraps the
 instance's forward so that every call announces them to the captured graph with lychee::bind_state, and every
 prefill zeroes the heat (a new sequence starts with none; rectification's re-encode is not a prefill).
@@ -35,13 +36,18 @@ from .rectify import REENCODING_ATTR, padding_mask
 KINDS_ATTR = "_lychee_kinds"
 HEAT_ATTR = "_lychee_heat"
 QUEST_ATTR = "_lychee_quest"
+ALL_REDUCE_ATTR = "_lychee_all_reduce"
 
 
-def install_state(model, config, kinds: torch.Tensor, global_layers: list[int]):
-    """kinds: bool [Lg, Hkv], the head kinds of the global layers (`global_layers`, model layer indices) in order.
+def install_state(model, config, kinds: torch.Tensor, global_layers: list[int],
+                  all_reduce_buffer: torch.Tensor | None = None):
+    """kinds: bool [Lg, Hkv], the head kinds of the global layers (`global_layers`, model layer indices) in order;
+    all_reduce_buffer: the rendezvoused symmetric buffer of lychee::one_shot_all_reduce, or None.
     Returns what a decode step made outside transformers' compiled call (dynamic_cache.py) must call with its
     kwargs before the compiled step (QuestDescriptors.before_decode), or None when nothing needs it."""
     _register(model, KINDS_ATTR, kinds.to(device=model.device, dtype=torch.bool))
+    if all_reduce_buffer is not None:
+        _register(model, ALL_REDUCE_ATTR, all_reduce_buffer)
     if config.heat_blocks > 0:
         _register(model, HEAT_ATTR, torch.zeros(1, *kinds.shape, _heat_blocks(model, config), device=model.device))
     quest = QuestDescriptors(model, config, list(global_layers)) if config.quest != "off" else None
@@ -124,6 +130,8 @@ def _wrap_forward(model, keeper) -> None:
                     f"size {x.shape[0]}: prefill (an eager forward with the cache) first.")
             torch.ops.lychee.bind_state(desc, "quest")
         torch.ops.lychee.bind_state(getattr(model, KINDS_ATTR), "kinds")
+        if hasattr(model, ALL_REDUCE_ATTR):
+            torch.ops.lychee.bind_state(getattr(model, ALL_REDUCE_ATTR), "all_reduce")
         announce_linear_groups(model)
         out = inner(*args, **kwargs)
         if keeper is not None and reencoding:

@@ -116,6 +116,58 @@ def agreed(group, check, same=None):
     return result
 
 
+def resolved_all_reduce(config, shard: KVShard | None, device):
+    """(config with symm_mem_all_reduce decided, the log line, the failure if symmetric memory failed, the buffer).
+    On: a tensor-parallel model on CUDA whose torch has the one-shot kernel and where symmetric memory works on the
+    group -- checked here by allocating lychee::one_shot_all_reduce's buffer and rendezvousing it (a collective,
+    before anything changes; outside any CUDA-graph pool). Off otherwise, with the reason; a failed rendezvous raises
+    in strict mode and is logged as a warning otherwise (the step then keeps the process group's all-reduces)."""
+    if not config.symm_mem_all_reduce:
+        return config, "all-reduces: the process group's own (symm_mem_all_reduce=False)", None, None
+    why_not = ("one process" if shard is None or shard.world == 1 else
+               f"the model is on {device.type}, not CUDA" if device.type != "cuda" else
+               f"torch {torch.__version__} has no symm_mem one-shot all-reduce" if not _has_one_shot() else None)
+    buffer = failure = None
+    if why_not is None:
+        try:
+            buffer = _symmetric_buffer(shard.group, device)
+        except Exception as exc:  # noqa: BLE001  (whatever the backend raises: the user gets it in words)
+            message = (f"symmetric memory does not work on the tensor-parallel group ({type(exc).__name__}: "
+                       f"{str(exc).splitlines()[0][:300]}); pass LycheeConfig(symm_mem_all_reduce=False) to keep "
+                       "the process group's all-reduces")
+            if config.strict:
+                raise LycheeCompileError(message) from exc
+            log.warning("lychee_compile: %s -- keeping them", message)
+            why_not = failure = message
+    if why_not is not None:
+        off = dataclasses.replace(config, symm_mem_all_reduce=False)
+        return off, f"all-reduces: the process group's own ({why_not})", failure, None
+    return config, ("all-reduces of at most 128 KB: one-shot symmetric-memory kernels "
+                    "(lychee::one_shot_all_reduce)"), None, buffer
+
+
+def _has_one_shot() -> bool:
+    try:
+        return hasattr(torch.ops.symm_mem, "one_shot_all_reduce")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _symmetric_buffer(group, device) -> torch.Tensor:
+    """lychee::one_shot_all_reduce's buffer (uint8 [ONE_SHOT_BYTES]) on this rank, rendezvoused over `group`."""
+    import warnings
+    from torch.distributed import _symmetric_memory as symm_mem
+    from .ops.one_shot_all_reduce import ONE_SHOT_BYTES
+    with warnings.catch_warnings():     # deprecated in torch 2.13 (not needed there), required on 2.11
+        warnings.simplefilter("ignore", FutureWarning)
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    buffer = symm_mem.empty(ONE_SHOT_BYTES, dtype=torch.uint8, device=device).zero_()
+    symm_mem.rendezvous(buffer, group.group_name)
+    return buffer
+
+
 def kv_shard(model, sites, num_kv_heads: int, group, strict: bool = True) -> KVShard | None:
     """This rank's KV heads, from the probe's global decode sites and their attention modules' weights; None for a
     model in one process. Raises LycheeCompileError for a layout the rewrite cannot serve (in one process, a graph

@@ -176,6 +176,46 @@ def _collectives(fn) -> collections.Counter:
     return collections.Counter(e.name for e in prof.events() if e.name.startswith("gloo:"))
 
 
+def job_one_shot_all_reduce(folder):
+    """symm_mem_all_reduce's pass and op, wired on CPU ranks: lychee_compile with the resolution forced on and a plain
+    buffer (off CUDA lychee::one_shot_all_reduce runs its reference, the functional all-reduce on gloo), against the
+    same model keeping the process group's all-reduces; and the op's opcheck on this group."""
+    import torch.distributed as dist
+    from lychee_compile import api
+    from lychee_compile.ops.one_shot_all_reduce import ONE_SHOT_BYTES
+    out = {}
+    for name in ("kept", "one_shot"):
+        torch._dynamo.reset()
+        model = _load(folder, "tp_plan")
+        resolve = api.resolved_all_reduce
+        if name == "one_shot":
+            api.resolved_all_reduce = lambda config, shard, device: (
+                config, "forced on", None, torch.zeros(ONE_SHOT_BYTES, dtype=torch.uint8))
+        try:
+            lychee_compile(model, HeadMap.for_model(model),
+                           LycheeConfig(backend="eager", symm_mem_all_reduce=name == "one_shot"))
+        finally:
+            api.resolved_all_reduce = resolve
+        run = _run(model)
+        ids, mask = make_batch(lengths=LENGTHS)
+
+        def generate(n):
+            with torch.no_grad():
+                model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        one, five = _collectives(lambda: generate(1)), _collectives(lambda: generate(5))
+        out[name] = dict(logits=run["logits"], seq=run["seq"], counters=state_of(model).counters.as_dict(),
+                         per_step={k: (five[k] - one[k]) / 4 for k in five})
+    group = dist.group.WORLD.group_name
+    x = torch.randn(2, 1, 64)
+    torch.library.opcheck(torch.ops.lychee.one_shot_all_reduce.default,
+                          (x, torch.zeros(ONE_SHOT_BYTES, dtype=torch.uint8), group))
+    expected = x.clone()
+    dist.all_reduce(expected)
+    out["op"] = torch.equal(torch.ops.lychee.one_shot_all_reduce(x, torch.zeros(16, dtype=torch.uint8), group),
+                            expected)
+    return out
+
+
 def job_refusals(folder):
     """(error of a wrong-size map, error of maps that differ between ranks, model left unchanged by both)."""
     import torch.distributed as dist
@@ -296,6 +336,32 @@ def test_decode_step_issues_transformers_collectives(ranks, saved):
         # vocabulary-sharded embedding's sum: 7 all-reduces; 5.17: 6)
         assert r["transformers"]["gloo:all_reduce"] >= 6 and r["transformers"]["gloo:all_gather"] == 1
         assert r["lychee"] == r["transformers"]
+
+
+def test_one_shot_all_reduce_pass_on_cpu_ranks(ranks, saved):
+    per_rank = ranks.run(job_one_shot_all_reduce, saved("llama"), timeout=JOB_TIMEOUT_S)
+    for r in per_rank:
+        assert not isinstance(r, RankError), r
+        kept, one_shot = r["kept"], r["one_shot"]
+        # 3 layers: o_proj and down_proj per layer (and, transformers 5.23, the vocabulary-sharded embedding's sum)
+        assert one_shot["counters"]["all_reduces_one_shot"] >= 6 and one_shot["counters"]["all_reduces_kept"] == 0
+        assert kept["counters"]["all_reduces_one_shot"] == 0
+        assert max_logit_diff(one_shot["logits"], kept["logits"]) < EXACT_TOL and torch.equal(one_shot["seq"],
+                                                                                             kept["seq"])
+        # the op's reference is the same gloo all-reduce: one step issues the same collectives either way
+        assert one_shot["per_step"] == kept["per_step"] and kept["per_step"]["gloo:all_reduce"] >= 6
+        assert r["op"]
+
+
+def test_symm_mem_all_reduce_resolves_off_without_cuda():
+    from lychee_compile.tensor_parallel import KVShard, resolved_all_reduce
+    shard, on = KVShard([0, 1], 4, None, 0, 2), LycheeConfig(symm_mem_all_reduce=True)
+    config, line, failure, buffer = resolved_all_reduce(on, shard, torch.device("cpu"))
+    assert not config.symm_mem_all_reduce and "not CUDA" in line and failure is None and buffer is None
+    config, line, _, _ = resolved_all_reduce(on, None, torch.device("cuda"))
+    assert not config.symm_mem_all_reduce and "one process" in line
+    config, line, _, _ = resolved_all_reduce(LycheeConfig(), shard, torch.device("cuda"))     # off by default
+    assert not config.symm_mem_all_reduce and "symm_mem_all_reduce=False" in line
 
 
 def test_wrong_head_map_fails_in_lychee_compile_on_every_rank(ranks, saved):

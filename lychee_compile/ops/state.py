@@ -11,6 +11,9 @@ address for the model's life, as CUDA graphs need (marked static for Dynamo):
     _lychee_heat: fp32 [B, Lg, Hkv, NBH]   (only when heat is enabled; layout and update rule in ops/heat.py)
     _lychee_quest: [B, Lg, Hkv, NB, 2, D]  (only with Quest bounds; Quest block descriptors, layout and upkeep in
                                            ops/quest.py; created by the first eager forward with a cache)
+    _lychee_all_reduce: uint8 [ONE_SHOT_BYTES]  (only under tensor parallelism on CUDA with symm_mem_all_reduce:
+                                           the symmetric-memory scratch of lychee::one_shot_all_reduce,
+                                           ops/one_shot_all_reduce.py; rendezvoused at lychee_compile)
 
     bind_state(state, name)   no-op marker the wrapped forward calls on each buffer; it makes Dynamo lift the buffer
                               into the graph as an input. The `bind_state` pass records the input under `name`
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-STATE_NAMES = ("kinds", "heat", "quest")
+STATE_NAMES = ("kinds", "heat", "quest", "all_reduce")
 
 
 @torch.library.custom_op("lychee::bind_state", mutates_args=("state",))

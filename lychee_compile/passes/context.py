@@ -78,6 +78,10 @@ class Counters:
     # decode graphs' inputs that are DTensors (tensor parallel: nn.Linear weights enter as their local shards,
     # tensor_parallel.LocalLinearShards, so this counts what is left, e.g. an embedding)
     dtensor_inputs: int = 0
+    # pass one_shot_all_reduce (tensor parallel on CUDA): all-reduces made lychee::one_shot_all_reduce, and those left
+    # to the process group (a shape or dtype the buffer cannot take), over all graphs
+    all_reduces_one_shot: int = 0
+    all_reduces_kept: int = 0
     decode_calls: int = 0            # runtime: calls of a rewritten decode graph (generate() checks it moved)
     generate_calls_dense: int = 0    # runtime: generate() calls whose decode steps never reached the rewrite
     # rectification (rectify.py): graphs compiled for its re-encode (each a prefill graph, also in prefill_graphs)

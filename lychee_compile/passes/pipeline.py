@@ -14,6 +14,8 @@
     thread_slots  stack the ops' heat slices and write them back in place (heat on; Quest's ops write their
                   descriptor slots in place themselves)
     fuse_linears  sibling linears whose weights lychee_compile fused into one buffer -> one product + narrows
+    one_shot_all_reduce  tensor parallel on CUDA: small all-reduces -> lychee::one_shot_all_reduce over the
+                  symmetric buffer lychee_compile rendezvoused (symm_mem_all_reduce)
 The probe in api.py runs the same list up to `check` (with window-aware classification off).
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .context import PassContext
 from .defer_selection import defer_selections
 from .detect import find_sites
 from .fuse_linears import fuse_sibling_linears
+from .one_shot_all_reduce import one_shot_all_reduces
 from .rewrite import rewrite_sites
 from .thread_slots import thread_slots
 from .thread_state import thread_index_state
@@ -41,6 +44,7 @@ PASSES = [
     ("defer_selection", defer_selections),
     ("thread_slots", thread_slots),
     ("fuse_linears", fuse_sibling_linears),
+    ("one_shot_all_reduce", one_shot_all_reduces),
 ]
 PROBE_PASSES = [(name, classify_for_probe if name == "classify" else fn)
                 for name, fn in PASSES[:[n for n, _ in PASSES].index("check") + 1]]
