@@ -60,6 +60,7 @@ import argparse
 import collections
 import contextlib
 import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -393,8 +394,8 @@ def prepare_case(cargs, model, case: dict, copy_bw: float):
                                        all_gather=[batch, 1, model.config.vocab_size // len(per_rank)]),
                 allreduce_ms=max(p["allreduce_ms"] for p in per_rank),
                 allreduce_p90_ms=max(p["allreduce_p90_ms"] for p in per_rank), allreduce_method=per_rank[0]["method"],
-                allreduce_one_shot_ms=max((p["allreduce_one_shot_ms"] for p in per_rank if "allreduce_one_shot_ms" in p),
-                                          default=None),
+                allreduce_one_shot_ms=max((p["allreduce_one_shot_ms"] for p in per_rank
+                                           if "allreduce_one_shot_ms" in p), default=None),
                 copy_bw_TBps=copy_bw / 1e12, max_cache_len=max_cache_len(cargs))
     one_shot_ms = case["allreduce_one_shot_ms"]
     say(f"== case {_ctx(ctx)}x{batch}: {case['kv_heads_per_rank']} KV heads per rank, collectives per step "
@@ -407,12 +408,12 @@ def prepare_case(cargs, model, case: dict, copy_bw: float):
 def one_shot_group(model, device: str):
     """(the model's TP group, a rendezvoused buffer) as lychee_compile makes them for symm_mem_all_reduce, or None
     where lychee would not use them (CPU ranks; symmetric memory failing here: printed)."""
-    from lychee_compile.tensor_parallel import _symmetric_buffer, process_group
+    from lychee_compile.tensor_parallel import process_group, symmetric_buffer
     group = process_group(model)
     if device != "cuda" or group is None:
         return None
     try:
-        return group, _symmetric_buffer(group, torch.device("cuda", torch.cuda.current_device()))
+        return group, symmetric_buffer(group, torch.device("cuda", torch.cuda.current_device()))
     except Exception as exc:  # noqa: BLE001  (the lychee rows will say the same: their config resolves it off)
         say(f"   symmetric memory unavailable: {type(exc).__name__}: {str(exc)[:200]}")
         return None
@@ -755,7 +756,9 @@ def meta_of(args, env: dict, copy_bw: list[float]) -> dict:
                 copy_bw_TBps_per_rank=[b / 1e12 for b in copy_bw],
                 devices=gathered(torch.cuda.get_device_name() if args.device == "cuda" else "cpu"),
                 nccl_env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                         "NVSHMEM_DISABLE_NVLS")}, **env)
+                                                         "NVSHMEM_DISABLE_NVLS")},
+                # the hybrid rows' config as given (defaults included), so a record says what ran
+                lychee_config=dataclasses.asdict(lychee_config(args, "lychee", args.budget)), **env)
     try:
         import triton
         meta["triton"] = triton.__version__

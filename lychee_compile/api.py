@@ -55,7 +55,7 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
                                                        same=lambda r: (r[0].cache_key(), r[1].digest()))
     info = log.info if _is_lead(group) else log.debug      # one summary, from rank 0
     info("lychee_compile: %s", budget)
-    asked = config.cuda_graphs
+    asked, asked_one_shot = config.cuda_graphs, config.symm_mem_all_reduce
     config, graphs = config.resolved_for(model.device)
     # a CUDA model decoding without CUDA graphs is the slow path: a warning where that was not asked for
     slow = model.device.type == "cuda" and not config.cuda_graphs and asked is None
@@ -69,10 +69,10 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
                                 "buffers whose slots cannot be re-encoded in place. Use rectify_every=0 here.")
     retrieval = head_map.effective(global_layers, config.first_layer_retrieval)
     streaming = head_map.streaming
-    config, all_reduce, all_reduce_failure, all_reduce_buffer = agreed(
-        group, lambda: resolved_all_reduce(config, shard, model.device))
-    if shard is not None:
-        info("lychee_compile: %s; %s", shard.describe(), all_reduce)
+    # not inside `agreed`: it agrees step by step itself (its rendezvous is a collective)
+    config, all_reduce, all_reduce_failure, all_reduce_buffer = resolved_all_reduce(config, shard, model.device)
+    if shard is not None or asked_one_shot:
+        info("lychee_compile: %s%s", f"{shard.describe()}; " if shard is not None else "", all_reduce)
         retrieval, streaming = shard.columns(retrieval), shard.columns(streaming)
     counters = Counters()
     if all_reduce_failure:

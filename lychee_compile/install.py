@@ -10,8 +10,9 @@
      by default through a compiled call of the model's own for it (a second code object, its own backend without
      CUDA graphs: a prefill graph whose attention the pass rewrite makes lychee::dense_decode).
   5. state buffers registered (`_lychee_kinds`; `_lychee_heat` with heat; `_lychee_quest` at the first prefill with
-     Quest; `_lychee_all_reduce` under tensor parallelism on CUDA), forward wrapped to announce them to the graph and rebuild them at a prefill; with Quest,
-     get_compiled_call wrapped to rebuild descriptors for a cache this model did not prefill (state_buffers.py).
+     Quest; `_lychee_all_reduce` under tensor parallelism on CUDA), forward wrapped to announce them to the graph
+     and rebuild them at a prefill; with Quest, get_compiled_call wrapped to rebuild descriptors for a cache this
+     model did not prefill (state_buffers.py).
   6. forward wrapped to route decode steps made outside the compiled call (beam search's, on the static cache)
      through it and those on a DynamicCache through the backend, and generate() wrapped to let cache objects in
      (dynamic_cache.py). After 5: the compiled call must include 5's forward wrapper.

@@ -1,10 +1,11 @@
 """Install the cross-step state buffers on a compiled model (layout: ops/state.py) and keep them current.
 
 lychee_compile() registers `_lychee_kinds` (always), `_lychee_heat` (heat enabled) and `_lychee_all_reduce` (tensor
-parallel on CUDA, symm_mem_all_reduce: made and rendezvoused by tensor_parallel.resolved_all_reduce) as non-persistent buffers,
-marks them static for Dynamo (one address for the model's life: CUDA graphs replay against it), and wraps the
-instance's forward so that every call announces them to the captured graph with lychee::bind_state, and every
-prefill zeroes the heat (a new sequence starts with none; rectification's re-encode is not a prefill).
+parallel on CUDA, symm_mem_all_reduce: made and rendezvoused by tensor_parallel.resolved_all_reduce) as
+non-persistent buffers, marks them static for Dynamo (one address for the model's life: CUDA graphs replay against
+it), and wraps the instance's forward so that every call announces them to the captured graph with
+lychee::bind_state, and every prefill zeroes the heat (a new sequence starts with none; rectification's re-encode
+is not a prefill).
 
 Quest descriptors (`_lychee_quest`, Quest bounds on; layout in ops/quest.py) are sized from the cache, so the
 buffer is created by the first eager forward that carries a cache (generate()'s prefill), not at install. After

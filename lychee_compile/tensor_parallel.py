@@ -119,9 +119,10 @@ def agreed(group, check, same=None):
 def resolved_all_reduce(config, shard: KVShard | None, device):
     """(config with symm_mem_all_reduce decided, the log line, the failure if symmetric memory failed, the buffer).
     On: a tensor-parallel model on CUDA whose torch has the one-shot kernel and where symmetric memory works on the
-    group -- checked here by allocating lychee::one_shot_all_reduce's buffer and rendezvousing it (a collective,
-    before anything changes; outside any CUDA-graph pool). Off otherwise, with the reason; a failed rendezvous raises
-    in strict mode and is logged as a warning otherwise (the step then keeps the process group's all-reduces)."""
+    group -- checked by making lychee::one_shot_all_reduce's buffer (symmetric_buffer), before anything changes and
+    outside any CUDA-graph pool. The same answer on every rank: a failure on any rank raises on all of them in strict
+    mode and turns the option off on all of them otherwise (logged as a warning), so no rank waits in a one-shot
+    barrier that another rank never reaches."""
     if not config.symm_mem_all_reduce:
         return config, "all-reduces: the process group's own (symm_mem_all_reduce=False)", None, None
     why_not = ("one process" if shard is None or shard.world == 1 else
@@ -130,8 +131,8 @@ def resolved_all_reduce(config, shard: KVShard | None, device):
     buffer = failure = None
     if why_not is None:
         try:
-            buffer = _symmetric_buffer(shard.group, device)
-        except Exception as exc:  # noqa: BLE001  (whatever the backend raises: the user gets it in words)
+            buffer = symmetric_buffer(shard.group, device)
+        except Exception as exc:  # noqa: BLE001  (raised on every rank by `agreed`, with the failing rank's words)
             message = (f"symmetric memory does not work on the tensor-parallel group ({type(exc).__name__}: "
                        f"{str(exc).splitlines()[0][:300]}); pass LycheeConfig(symm_mem_all_reduce=False) to keep "
                        "the process group's all-reduces")
@@ -153,19 +154,30 @@ def _has_one_shot() -> bool:
         return False
 
 
-def _symmetric_buffer(group, device) -> torch.Tensor:
-    """lychee::one_shot_all_reduce's buffer (uint8 [ONE_SHOT_BYTES]) on this rank, rendezvoused over `group`."""
+def symmetric_buffer(group, device) -> torch.Tensor:
+    """lychee::one_shot_all_reduce's buffer (uint8 [ONE_SHOT_BYTES]) on this rank, rendezvoused over `group`. Every
+    rank first allocates (one rank's failure raised on all, via `agreed`), and only then do all of them enter the
+    rendezvous, a collective that would wait for a rank that failed before it."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    buffer = agreed(group, lambda: _allocated(group, device))
+    agreed(group, lambda: _rendezvous(buffer, group))
+    return buffer
+
+
+def _allocated(group, device) -> torch.Tensor:
     import warnings
     from torch.distributed import _symmetric_memory as symm_mem
     from .ops.one_shot_all_reduce import ONE_SHOT_BYTES
     with warnings.catch_warnings():     # deprecated in torch 2.13 (not needed there), required on 2.11
         warnings.simplefilter("ignore", FutureWarning)
         symm_mem.enable_symm_mem_for_group(group.group_name)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    buffer = symm_mem.empty(ONE_SHOT_BYTES, dtype=torch.uint8, device=device).zero_()
+    return symm_mem.empty(ONE_SHOT_BYTES, dtype=torch.uint8, device=device).zero_()
+
+
+def _rendezvous(buffer: torch.Tensor, group) -> None:
+    from torch.distributed import _symmetric_memory as symm_mem
     symm_mem.rendezvous(buffer, group.group_name)
-    return buffer
 
 
 def kv_shard(model, sites, num_kv_heads: int, group, strict: bool = True) -> KVShard | None:

@@ -192,8 +192,11 @@ def job_one_shot_all_reduce(folder):
             api.resolved_all_reduce = lambda config, shard, device: (
                 config, "forced on", None, torch.zeros(ONE_SHOT_BYTES, dtype=torch.uint8))
         try:
+            # the one-shot model through Inductor: AOT functionalization and Inductor's reinplacing of the op's
+            # mutated buffer (one graph input shared by every call) are part of what runs on a GPU
             lychee_compile(model, HeadMap.for_model(model),
-                           LycheeConfig(backend="eager", symm_mem_all_reduce=name == "one_shot"))
+                           LycheeConfig(backend="inductor" if name == "one_shot" else "eager",
+                                        symm_mem_all_reduce=name == "one_shot"))
         finally:
             api.resolved_all_reduce = resolve
         run = _run(model)
@@ -214,6 +217,31 @@ def job_one_shot_all_reduce(folder):
     out["op"] = torch.equal(torch.ops.lychee.one_shot_all_reduce(x, torch.zeros(16, dtype=torch.uint8), group),
                             expected)
     return out
+
+
+def job_symmetric_buffer_failure(strict: bool, failing_rank: int | None):
+    """resolved_all_reduce on CPU ranks pretending to be CUDA ones: the allocation raises on `failing_rank` (None: on
+    no rank; the rendezvous is then skipped, a CPU tensor cannot join one). (config flag, failure, buffer given) or
+    the error raised."""
+    import torch.distributed as dist
+    from lychee_compile import tensor_parallel as tp
+    from lychee_compile.tensor_parallel import KVShard, resolved_all_reduce
+
+    def allocated(group, device):
+        if dist.get_rank() == failing_rank:
+            raise RuntimeError("no symmetric memory here")
+        return torch.zeros(16, dtype=torch.uint8)
+    saved = tp._has_one_shot, tp._allocated, tp._rendezvous
+    tp._has_one_shot, tp._allocated, tp._rendezvous = (lambda: True), allocated, (lambda buffer, group: None)
+    shard = KVShard([0, 1], 4, dist.group.WORLD, dist.get_rank(), 2)
+    try:
+        config, _, failure, buffer = resolved_all_reduce(LycheeConfig(symm_mem_all_reduce=True, strict=strict),
+                                                         shard, torch.device("cuda", 0))
+        return config.symm_mem_all_reduce, failure, buffer is not None
+    except LycheeCompileError as exc:
+        return str(exc)
+    finally:
+        tp._has_one_shot, tp._allocated, tp._rendezvous = saved
 
 
 def job_refusals(folder):
@@ -351,6 +379,17 @@ def test_one_shot_all_reduce_pass_on_cpu_ranks(ranks, saved):
         # the op's reference is the same gloo all-reduce: one step issues the same collectives either way
         assert one_shot["per_step"] == kept["per_step"] and kept["per_step"]["gloo:all_reduce"] >= 6
         assert r["op"]
+
+
+def test_symmetric_buffer_failure_on_one_rank_is_every_rank_s(ranks):
+    """One rank failing to allocate: strict raises on both (the failing rank named), non-strict turns the option off
+    on both -- never one rank in a one-shot barrier the other does not reach."""
+    for r in ranks.run(job_symmetric_buffer_failure, True, 1, timeout=JOB_TIMEOUT_S):
+        assert "no symmetric memory here" in r and "rank 1 of 2" in r
+    for on, failure, has_buffer in ranks.run(job_symmetric_buffer_failure, False, 1, timeout=JOB_TIMEOUT_S):
+        assert not on and "no symmetric memory here" in failure and not has_buffer
+    for r in ranks.run(job_symmetric_buffer_failure, True, None, timeout=JOB_TIMEOUT_S):
+        assert r == (True, None, True)
 
 
 def test_symm_mem_all_reduce_resolves_off_without_cuda():

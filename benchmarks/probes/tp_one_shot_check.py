@@ -79,7 +79,8 @@ def main() -> None:
                   **{f"{k}_{name}": v for name, r in (("on", on), ("off", off)) for k, v in r.items()
                      if k not in ("seq", "logits")})
     # the profiled generate's prefill runs eagerly (NCCL either way); its decode steps run one-shot kernels instead
-    ok = (same and on["config_on"] and on["one_shot"] > 0 and on["one_shot_kernels"] > 0
+    ok = (same and on["config_on"] and on["one_shot"] == 2 * args.layers and on["kept"] == 0
+          and on["one_shot_kernels"] > 0
           and on["nccl_all_reduce_kernels"] < off["nccl_all_reduce_kernels"] and off["one_shot_kernels"] == 0)
     if dist.get_rank() == 0:
         print(json.dumps(dict(report, ok=ok)), flush=True)

@@ -2,12 +2,14 @@
 
     y = one_shot_all_reduce(x, buffer, group_name)
 
-  x, y        any shape, bf16 / fp16 / fp32 (a decode step: the hidden state [B, 1, hidden] after o_proj or
-              down_proj); y = the sum of x over the ranks of the process group `group_name`, on every rank
+  x, y        any shape, bf16 or fp32 (the dtypes torch's kernel takes); a decode step: the hidden state
+              [B, 1, hidden] after o_proj or down_proj; y = the sum of x over the ranks of the process group
+              `group_name`, on every rank
   buffer      uint8 [ONE_SHOT_BYTES], this rank's symmetric-memory buffer (`_lychee_all_reduce`,
               state_buffers.py), rendezvoused over the group at lychee_compile (tensor_parallel.resolved_all_reduce):
-              outside any CUDA-graph pool, one address for the model's life. Scratch: its contents after a call mean
-              nothing (declared mutated, which it is).
+              outside any CUDA-graph pool, one address for the model's life (a copy of the model -- deepcopy, a
+              move -- holds a plain tensor there, which the kernel refuses). Scratch: its contents after a call
+              mean nothing (declared mutated, which it is).
 
 On CUDA: torch's one-shot kernel (torch.ops.symm_mem.one_shot_all_reduce_copy) copies x into the buffer, waits for
 every rank (a barrier on the group's signal pads), reads the ranks' buffers over NVLink and sums them into y, then
