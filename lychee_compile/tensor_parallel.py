@@ -143,8 +143,15 @@ def resolved_all_reduce(config, shard: KVShard | None, device):
     if why_not is not None:
         off = dataclasses.replace(config, symm_mem_all_reduce=False)
         return off, f"all-reduces: the process group's own ({why_not})", failure, None
-    return config, ("all-reduces of at most 128 KB: one-shot symmetric-memory kernels "
-                    "(lychee::one_shot_all_reduce)"), None, buffer
+    return config, ("all-reduces of at most 128 KB: one-shot symmetric-memory kernels (lychee::one_shot_all_reduce; "
+                    f"symmetric-memory backend {_backend(buffer.device)})"), None, buffer
+
+
+def _backend(device) -> str:
+    """torch's symmetric-memory backend on `device` (CUDA, NVSHMEM or NCCL): what frees the buffer at exit."""
+    from torch.distributed import _symmetric_memory as symm_mem
+    get = getattr(symm_mem, "get_backend", None)
+    return str(get(device)) if get is not None else "unknown"
 
 
 def _has_one_shot() -> bool:
