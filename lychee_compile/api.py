@@ -73,6 +73,7 @@ def lychee_compile(model, head_map, config: LycheeConfig | None = None):
     config, all_reduce, all_reduce_failure, all_reduce_buffer = resolved_all_reduce(config, shard, model.device)
     if shard is not None or asked_one_shot:
         info("lychee_compile: %s%s", f"{shard.describe()}; " if shard is not None else "", all_reduce)
+    if shard is not None:
         retrieval, streaming = shard.columns(retrieval), shard.columns(streaming)
     counters = Counters()
     if all_reduce_failure:

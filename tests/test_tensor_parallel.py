@@ -401,6 +401,10 @@ def test_symm_mem_all_reduce_resolves_off_without_cuda():
     assert not config.symm_mem_all_reduce and "one process" in line
     config, line, _, _ = resolved_all_reduce(LycheeConfig(), shard, torch.device("cuda"))     # off by default
     assert not config.symm_mem_all_reduce and "symm_mem_all_reduce=False" in line
+    # asked for in one process: lychee_compile goes on, the option resolved off
+    model = make("llama")
+    lychee_compile(model, HeadMap.for_model(model), LycheeConfig(backend="eager", symm_mem_all_reduce=True))
+    assert not state_of(model).config.symm_mem_all_reduce and state_of(model).shard is None
 
 
 def test_wrong_head_map_fails_in_lychee_compile_on_every_rank(ranks, saved):

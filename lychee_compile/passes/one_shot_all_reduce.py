@@ -14,10 +14,10 @@ state outgrows the buffer, say).
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx
-
-import logging
 
 from ..ops.one_shot_all_reduce import ALIGN_BYTES
 from ..ops.op_arguments import get_arg
