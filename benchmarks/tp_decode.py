@@ -135,6 +135,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-local-shards", action="store_true",
                     help="a probe, not a setting to use: compiled calls take the DTensor weights themselves "
                          "(tensor_parallel.LocalLinearShards off), to time what the local shards save")
+    ap.add_argument("--symm-mem-backend", choices=("NVSHMEM", "CUDA", "NCCL"), default=None,
+                    help="torch's symmetric-memory backend for --lychee symm_mem_all_reduce=true (symm_mem."
+                         "set_backend before any buffer; default: torch's choice)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     if args.device is None:
@@ -757,6 +760,7 @@ def meta_of(args, env: dict, copy_bw: list[float]) -> dict:
                 devices=gathered(torch.cuda.get_device_name() if args.device == "cuda" else "cpu"),
                 nccl_env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                          "NVSHMEM_DISABLE_NVLS")},
+                symm_mem_backend=args.symm_mem_backend,
                 # the hybrid rows' config as given (defaults included), so a record says what ran
                 lychee_config=dataclasses.asdict(lychee_config(args, "lychee", args.budget)), **env)
     try:
@@ -800,6 +804,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    if args.symm_mem_backend:
+        from torch.distributed import _symmetric_memory as symm_mem
+        symm_mem.set_backend(args.symm_mem_backend)
     try:
         return run(args)
     finally:
