@@ -137,7 +137,8 @@ def parse_args(argv=None):
                          "(tensor_parallel.LocalLinearShards off), to time what the local shards save")
     ap.add_argument("--symm-mem-backend", choices=("NVSHMEM", "CUDA", "NCCL"), default=None,
                     help="torch's symmetric-memory backend for --lychee symm_mem_all_reduce=true (symm_mem."
-                         "set_backend before any buffer; default: torch's choice)")
+                         "set_backend before any buffer; default: torch's choice, recorded per case as "
+                         "symm_mem_backend_used; CUDA asked this way raised on torch 2.11)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     if args.device is None:
@@ -158,6 +159,8 @@ def parse_args(argv=None):
         raise BenchError(f"--rows from {ROWS} (got {unknown or args.rows}); --cases as CONTEXTxBATCH,...")
     if args.steps < 1 or args.warmup < 0:
         raise BenchError("--steps must be >= 1 and --warmup >= 0.")
+    if args.symm_mem_backend and (args.device != "cuda" or not lychee_overrides(args).get("symm_mem_all_reduce")):
+        raise BenchError("--symm-mem-backend needs --device cuda and --lychee symm_mem_all_reduce=true.")
     args.no_cuda_graphs = False               # e2e.lychee_config: lychee's default (CUDA graphs on a GPU)
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     args.positions = max(max_cache_len(case_args(args, ctx)) for ctx, _ in args.case_list)
@@ -256,9 +259,9 @@ def time_collectives(counts: dict, batch: int, cfg, dtype, device: str, steps: i
     """One decode step's collectives alone, at a TP Llama decode step's sizes: counts["all_reduce"] all-reduces of
     [B, 1, hidden] (o_proj, down_proj, a vocabulary-sharded embedding) and counts["all_gather"] all-gathers of
     [B, 1, vocab / ranks] (lm_head's logits). Each step replays one CUDA graph of them (a loop on the CPU, or where
-    capture fails); median and p90 ms per step over `steps`. one_shot = (group, rendezvoused buffer): the all-reduces
-    are lychee::one_shot_all_reduce, what a lychee row runs with LycheeConfig.symm_mem_all_reduce; the all-gathers
-    stay the process group's."""
+    capture fails); median and p90 ms per step over `steps`. one_shot = one_shot_group(...): the all-reduces are
+    lychee::one_shot_all_reduce, what a lychee row runs with LycheeConfig.symm_mem_all_reduce; the all-gathers stay
+    the process group's."""
     world = dist.get_world_size()
     hidden = torch.zeros(batch, 1, cfg.hidden_size, dtype=dtype, device=device)      # zeros: sums stay finite
     part = torch.zeros(batch, 1, cfg.vocab_size // world, dtype=dtype, device=device)
@@ -387,7 +390,8 @@ def prepare_case(cargs, model, case: dict, copy_bw: float):
     one_shot = one_shot_group(model, device) if lychee_overrides(cargs).get("symm_mem_all_reduce") else None
     if one_shot is not None:
         alone = time_collectives(counts, batch, model.config, cargs.dtype, device, cargs.collective_steps, one_shot)
-        timed.update(allreduce_one_shot_ms=alone["allreduce_ms"], allreduce_one_shot_p90_ms=alone["allreduce_p90_ms"])
+        timed.update(allreduce_one_shot_ms=alone["allreduce_ms"], allreduce_one_shot_p90_ms=alone["allreduce_p90_ms"],
+                     symm_mem_backend=one_shot[2])
     per_rank = gathered(dict(kv_heads=kv_heads, weights=weights_bytes(model, batch), collectives=counts, **timed))
     case.update(kv_heads_per_rank=[p["kv_heads"] for p in per_rank], weights_bytes_per_rank=[p["weights"] for p in
                 per_rank], collectives_per_step=per_rank[0]["collectives"],
@@ -399,6 +403,7 @@ def prepare_case(cargs, model, case: dict, copy_bw: float):
                 allreduce_p90_ms=max(p["allreduce_p90_ms"] for p in per_rank), allreduce_method=per_rank[0]["method"],
                 allreduce_one_shot_ms=max((p["allreduce_one_shot_ms"] for p in per_rank
                                            if "allreduce_one_shot_ms" in p), default=None),
+                symm_mem_backend_used=per_rank[0].get("symm_mem_backend"),
                 copy_bw_TBps=copy_bw / 1e12, max_cache_len=max_cache_len(cargs))
     one_shot_ms = case["allreduce_one_shot_ms"]
     say(f"== case {_ctx(ctx)}x{batch}: {case['kv_heads_per_rank']} KV heads per rank, collectives per step "
@@ -409,14 +414,16 @@ def prepare_case(cargs, model, case: dict, copy_bw: float):
 
 
 def one_shot_group(model, device: str):
-    """(the model's TP group, a rendezvoused buffer) as lychee_compile makes them for symm_mem_all_reduce, or None
-    where lychee would not use them (CPU ranks; symmetric memory failing here: printed)."""
-    from lychee_compile.tensor_parallel import process_group, symmetric_buffer
+    """(the model's TP group, a rendezvoused buffer, torch's symmetric-memory backend that allocated it) as
+    lychee_compile makes them for symm_mem_all_reduce, or None where lychee would not use them (CPU ranks; symmetric
+    memory failing here: printed)."""
+    from lychee_compile.tensor_parallel import process_group, symm_mem_backend, symmetric_buffer
     group = process_group(model)
     if device != "cuda" or group is None:
         return None
     try:
-        return group, symmetric_buffer(group, torch.device("cuda", torch.cuda.current_device()))
+        buffer = symmetric_buffer(group, torch.device("cuda", torch.cuda.current_device()))
+        return group, buffer, symm_mem_backend(buffer.device)
     except Exception as exc:  # noqa: BLE001  (the lychee rows will say the same: their config resolves it off)
         say(f"   symmetric memory unavailable: {type(exc).__name__}: {str(exc)[:200]}")
         return None
@@ -804,10 +811,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    if args.symm_mem_backend:
-        from torch.distributed import _symmetric_memory as symm_mem
-        symm_mem.set_backend(args.symm_mem_backend)
     try:
+        if args.symm_mem_backend:
+            from torch.distributed import _symmetric_memory as symm_mem
+            symm_mem.set_backend(args.symm_mem_backend)
         return run(args)
     finally:
         dist.destroy_process_group()

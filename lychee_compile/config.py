@@ -147,7 +147,7 @@ class LycheeConfig:
     # as lychee::one_shot_all_reduce -- torch's symmetric-memory one-shot kernel, which reads the peers' buffers over
     # NVLink -- instead of the process group's (NCCL) all-reduce (pass one_shot_all_reduce); lychee_compile
     # rendezvouses the buffer (tensor_parallel.resolved_all_reduce). The same all-reduces and sums. Off by default:
-    # the hybrid step's gain (-0.34 ms at 128K x 4 on 2 x H200) held on one machine and not on two others
+    # the hybrid step's gain (-0.34 ms at 128K x 4, 2 x H200, 2026-11-28) was shown on one machine, not on a second
     # (docs/tensor-parallel.md). No effect in one process or on CPU ranks.
     symm_mem_all_reduce: bool = False
     # Code-generation choices below these (KernelOptions above): benchmarks' switches, defaults are the fast path.

@@ -144,10 +144,10 @@ def resolved_all_reduce(config, shard: KVShard | None, device):
         off = dataclasses.replace(config, symm_mem_all_reduce=False)
         return off, f"all-reduces: the process group's own ({why_not})", failure, None
     return config, ("all-reduces of at most 128 KB: one-shot symmetric-memory kernels (lychee::one_shot_all_reduce; "
-                    f"symmetric-memory backend {_backend(buffer.device)})"), None, buffer
+                    f"symmetric-memory backend {symm_mem_backend(buffer.device)})"), None, buffer
 
 
-def _backend(device) -> str:
+def symm_mem_backend(device) -> str:
     """torch's symmetric-memory backend on `device` (CUDA, NVSHMEM or NCCL): what frees the buffer at exit."""
     from torch.distributed import _symmetric_memory as symm_mem
     get = getattr(symm_mem, "get_backend", None)

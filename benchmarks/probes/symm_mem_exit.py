@@ -2,11 +2,11 @@
 makes the buffer as lychee_compile does (tensor_parallel.symmetric_buffer), runs one one-shot all-reduce against the
 process group's, then ends as asked. Run it under `timeout`: the exit code and the time say whether the exit hung.
 
-    timeout -k 5 90 torchrun --nproc-per-node 2 benchmarks/probes/symm_mem_exit.py [--backend CUDA] \
+    timeout -k 5 60 torchrun --nproc-per-node 2 benchmarks/probes/symm_mem_exit.py [--backend CUDA] \
         [--teardown none|destroy|free]
 
 --backend: symm_mem.set_backend(NAME) before the buffer is made (default: torch's choice);
---teardown none: return from main with the buffer alive (module teardown at interpreter exit);
+--teardown none: return from main with the buffer alive (held by this module until interpreter exit);
            free: drop the buffer and synchronize first; destroy: that, then dist.destroy_process_group().
 Rank 0 prints one JSON line before the teardown starts.
 """
@@ -31,6 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from lychee_compile.ops.one_shot_all_reduce import one_shot_all_reduce  # noqa: E402
 from lychee_compile.tensor_parallel import symmetric_buffer  # noqa: E402
 
+_KEPT: dict = {}      # --teardown none: the buffer outlives main(), as a compiled model's state buffer does
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -44,7 +46,7 @@ def main() -> None:
         symm_mem.set_backend(args.backend)
     group = dist.group.WORLD
     device = torch.device("cuda", torch.cuda.current_device())
-    buffer = symmetric_buffer(group, device)
+    buffer = _KEPT["buffer"] = symmetric_buffer(group, device)
     x = torch.randn(4, 4096, dtype=torch.bfloat16, device=device)          # [B, hidden]: one step's all-reduce
     expected = x.clone()
     dist.all_reduce(expected)
@@ -57,7 +59,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(json.dumps(report), flush=True)
     if args.teardown in ("free", "destroy"):
-        del buffer, got
+        del buffer, got, _KEPT["buffer"]
         gc.collect()
         torch.cuda.synchronize()
         dist.barrier()
