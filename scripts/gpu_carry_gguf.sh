@@ -7,7 +7,8 @@
 # VENV_PY (default python3): a Python with this package's requirements and `gguf` installed.
 #
 # Writes (ignored by git via .git/info/exclude, so they travel only through `carry`):
-#   .gpucarry/NAME/part.00, part.01, ...  the GGUF cut in pieces of PART_BYTES (default 56 MB: 64 MiB less the tree)
+#   .gpucarry/NAME/part.00, part.01, ...  the GGUF cut in pieces of PART_BYTES (default: 64 MiB less the working
+#                                        tree that travels with every call, less 4 MB for the last call's extras)
 #   .gpucarry/NAME.sha256                sha256 of the whole GGUF (checked on the device)
 #   .gpucarry/whl/gguf-*.whl             the py3-none-any wheel of the gguf package
 #
@@ -26,10 +27,12 @@ set -euo pipefail
 NAME=${1:?usage: gpu_carry_gguf.sh NAME [GGUF]}
 [[ "$NAME" =~ ^[A-Za-z0-9_-]+$ ]] || { echo "NAME must be letters, digits, '_' or '-'" >&2; exit 1; }
 GGUF=${2:-}
-PART_BYTES=${PART_BYTES:-56000000}
 VENV_PY=${VENV_PY:-python3}
 OUT=.gpucarry
 [ -f pyproject.toml ] && [ -d lychee_compile ] || { echo "run from the repository root" >&2; exit 1; }
+TREE_BYTES=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null \
+    | awk '{s += $1} END {print s + 0}' || true)
+PART_BYTES=${PART_BYTES:-$(( (64 * 1048576 - TREE_BYTES - 4000000) / 1000000 * 1000000 ))}
 
 if [ -z "$GGUF" ]; then
     [ "$NAME" = smollm2 ] || { echo "give the GGUF's path for $NAME" >&2; exit 1; }
