@@ -230,6 +230,7 @@ def _load_cached_or_gguf(path: Path | None, folder: Path, label: str, tag: str, 
     if path is None:
         with _spinner(f"Loading {label} from cache {folder}", progress):
             tokenizer = AutoTokenizer.from_pretrained(folder)
+            check_tokenizer(tokenizer, label)
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                          attn_implementation=attn_implementation)
         return _placed(model, device, dtype), tokenizer
@@ -240,6 +241,7 @@ def _load_cached_or_gguf(path: Path | None, folder: Path, label: str, tag: str, 
     try:
         with _spinner(f"De-quantizing {path.name} (first run only, 30-90 s)", progress):
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            check_tokenizer(tokenizer, label)
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                          attn_implementation=attn_implementation)
     finally:
@@ -253,6 +255,25 @@ def _load_cached_or_gguf(path: Path | None, folder: Path, label: str, tag: str, 
             sys.stderr.write(f"warning: could not write the model cache to {folder} ({exc}); "
                              "set LYCHEE_CACHE to a writable folder to make later loads fast.\n")
     return _placed(model, device, dtype), tokenizer
+
+
+TOKENIZER_PROBE = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+                   "must be in want of a wife.")
+
+
+def check_tokenizer(tokenizer, label: str) -> None:
+    """Refuse a tokenizer that splits English text into far more tokens than a subword vocabulary does (more than
+    one per 3 characters; real ones give one per ~4): transformers 5.17 converts Gemma-3's GGUF tokenizer into one
+    that does (50 tokens for the probe sentence, and one per character once saved to the cache and read back; 5.23
+    gives 27), and every number measured through it would describe a model fed pieces of words, not the model."""
+    import transformers
+    n, chars = len(tokenizer(TOKENIZER_PROBE).input_ids), len(TOKENIZER_PROBE)
+    if n > chars // 3:
+        raise RealModelUnavailable(
+            f"{label}: the tokenizer transformers {transformers.__version__} built splits a {chars}-character English "
+            f"sentence into {n} tokens (a subword vocabulary gives ~{chars // 4}): its conversion of this GGUF's "
+            f"tokenizer is broken, so no measurement would describe the model. Use a transformers version that "
+            f"converts it (5.23 does).")
 
 
 def _placed(model, device: str, dtype):

@@ -146,3 +146,29 @@ def test_smollm2_prompts_are_unchanged_by_the_prefix_rule():
     assert tasks.prompt_prefix_ids(tok) == []
     it = tasks.repeat_items(tok, length=256, n=1, score_tokens=8)[0]
     assert it.input_ids.shape[1] == 256 + 128
+
+
+class WordTokenizer(BosCharTokenizer):
+    """One token per word: a subword vocabulary's order of magnitude."""
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [hash(w) % 50000 + 2 for w in text.split()]
+        return type("Enc", (), {"input_ids": ([self.BOS] if add_special_tokens else []) + ids})()
+
+
+def test_a_tokenizer_of_one_token_per_character_is_refused():
+    real_model.check_tokenizer(WordTokenizer(), "m")
+    with pytest.raises(real_model.RealModelUnavailable, match="a subword vocabulary gives"):
+        real_model.check_tokenizer(BosCharTokenizer(), "m")
+
+
+def test_a_cached_model_whose_tokenizer_is_per_character_is_refused_before_its_weights_load(tmp_path, monkeypatch):
+    import transformers
+    monkeypatch.setattr(real_model, "_cache_complete", lambda folder, tag="": True)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: BosCharTokenizer())
+
+    def weights(*a, **k):
+        raise AssertionError("the weights were loaded after a broken tokenizer")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", weights)
+    with pytest.raises(real_model.RealModelUnavailable, match="broken"):
+        real_model.load_gguf_model(tmp_path / "m.gguf", progress=False)
