@@ -230,7 +230,8 @@ def _load_cached_or_gguf(path: Path | None, folder: Path, label: str, tag: str, 
     if path is None:
         with _spinner(f"Loading {label} from cache {folder}", progress):
             tokenizer = AutoTokenizer.from_pretrained(folder)
-            check_tokenizer(tokenizer, label)
+            check_tokenizer(tokenizer, label, f"It was read from the cache {folder}, written by a transformers whose "
+                                              f"conversion was broken: delete that folder and load again.")
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                          attn_implementation=attn_implementation)
         return _placed(model, device, dtype), tokenizer
@@ -241,7 +242,8 @@ def _load_cached_or_gguf(path: Path | None, folder: Path, label: str, tag: str, 
     try:
         with _spinner(f"De-quantizing {path.name} (first run only, 30-90 s)", progress):
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            check_tokenizer(tokenizer, label)
+            check_tokenizer(tokenizer, label, "transformers converted it from this GGUF: use a version whose "
+                                              "conversion keeps the vocabulary (for Gemma-3, 5.23 does).")
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                          attn_implementation=attn_implementation)
     finally:
@@ -261,7 +263,7 @@ TOKENIZER_PROBE = ("It is a truth universally acknowledged, that a single man in
                    "must be in want of a wife.")
 
 
-def check_tokenizer(tokenizer, label: str) -> None:
+def check_tokenizer(tokenizer, label: str, remedy: str = "") -> None:
     """Refuse a tokenizer that splits English text into far more tokens than a subword vocabulary does (more than
     one per 3 characters; real ones give one per ~4): transformers 5.17 converts Gemma-3's GGUF tokenizer into one
     that does (50 tokens for the probe sentence, and one per character once saved to the cache and read back; 5.23
@@ -270,10 +272,9 @@ def check_tokenizer(tokenizer, label: str) -> None:
     n, chars = len(tokenizer(TOKENIZER_PROBE).input_ids), len(TOKENIZER_PROBE)
     if n > chars // 3:
         raise RealModelUnavailable(
-            f"{label}: the tokenizer transformers {transformers.__version__} built splits a {chars}-character English "
-            f"sentence into {n} tokens (a subword vocabulary gives ~{chars // 4}): its conversion of this GGUF's "
-            f"tokenizer is broken, so no measurement would describe the model. Use a transformers version that "
-            f"converts it (5.23 does).")
+            f"{label}: the tokenizer (transformers {transformers.__version__}) splits a {chars}-character English "
+            f"sentence into {n} tokens (a subword vocabulary gives ~{chars // 4}), so no measurement would describe "
+            f"the model. {remedy}".rstrip())
 
 
 def _placed(model, device: str, dtype):

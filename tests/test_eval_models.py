@@ -148,27 +148,51 @@ def test_smollm2_prompts_are_unchanged_by_the_prefix_rule():
     assert it.input_ids.shape[1] == 256 + 128
 
 
-class WordTokenizer(BosCharTokenizer):
-    """One token per word: a subword vocabulary's order of magnitude."""
+class PieceTokenizer(BosCharTokenizer):
+    """Pieces of `sizes` characters in turn: (2, 3) gives about what transformers 5.17 made of Gemma-3's GGUF
+    tokenizer (50 tokens for the probe sentence); (5,) about a subword vocabulary."""
+
+    def __init__(self, sizes):
+        super().__init__()
+        self.sizes = sizes
 
     def __call__(self, text, add_special_tokens=True):
-        ids = [hash(w) % 50000 + 2 for w in text.split()]
+        ids, at, k = [], 0, 0
+        while at < len(text):
+            size = self.sizes[k % len(self.sizes)]
+            ids.append(hash(text[at:at + size]) % 50000 + 2)
+            at, k = at + size, k + 1
         return type("Enc", (), {"input_ids": ([self.BOS] if add_special_tokens else []) + ids})()
 
 
-def test_a_tokenizer_of_one_token_per_character_is_refused():
-    real_model.check_tokenizer(WordTokenizer(), "m")
-    with pytest.raises(real_model.RealModelUnavailable, match="a subword vocabulary gives"):
-        real_model.check_tokenizer(BosCharTokenizer(), "m")
+def test_a_tokenizer_of_word_pieces_far_below_a_vocabulary_is_refused():
+    real_model.check_tokenizer(PieceTokenizer((5,)), "m")
+    for broken in (PieceTokenizer((2, 3)), BosCharTokenizer()):
+        with pytest.raises(real_model.RealModelUnavailable, match="a subword vocabulary gives"):
+            real_model.check_tokenizer(broken, "m")
 
 
-def test_a_cached_model_whose_tokenizer_is_per_character_is_refused_before_its_weights_load(tmp_path, monkeypatch):
+def _refusing_loads(monkeypatch, cached: bool):
     import transformers
-    monkeypatch.setattr(real_model, "_cache_complete", lambda folder, tag="": True)
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: BosCharTokenizer())
+    monkeypatch.setattr(real_model, "_cache_complete", lambda folder, tag="": cached)
+    monkeypatch.setattr(real_model, "_check_gguf_readers", lambda: None)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: PieceTokenizer((2, 3)))
 
     def weights(*a, **k):
         raise AssertionError("the weights were loaded after a broken tokenizer")
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", weights)
-    with pytest.raises(real_model.RealModelUnavailable, match="broken"):
+
+
+def test_a_cached_tokenizer_of_word_pieces_is_refused_before_the_weights_load(tmp_path, monkeypatch):
+    _refusing_loads(monkeypatch, cached=True)
+    with pytest.raises(real_model.RealModelUnavailable, match="read from the cache"):
         real_model.load_gguf_model(tmp_path / "m.gguf", progress=False)
+
+
+def test_a_tokenizer_converted_from_a_gguf_into_word_pieces_is_refused_and_nothing_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("LYCHEE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    _refusing_loads(monkeypatch, cached=False)
+    with pytest.raises(real_model.RealModelUnavailable, match="converted it from this GGUF"):
+        real_model.load_gguf_model(tmp_path / "m.gguf", progress=False)
+    assert not any((tmp_path / "cache").rglob("*.safetensors"))

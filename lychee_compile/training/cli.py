@@ -69,7 +69,10 @@ def _load_model(name: str, device: str = "cpu"):
         return load_smollm2(progress=True, device=device)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..real_model import check_tokenizer
     tok = AutoTokenizer.from_pretrained(name)
+    check_tokenizer(tok, name)
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa")
     return model.to(device).eval(), tok
 
