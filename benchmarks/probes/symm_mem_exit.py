@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from lychee_compile.ops.one_shot_all_reduce import one_shot_all_reduce  # noqa: E402
-from lychee_compile.tensor_parallel import symmetric_buffer  # noqa: E402
+from lychee_compile.tensor_parallel import symm_mem_backend, symmetric_buffer  # noqa: E402
 
 _KEPT: dict = {}      # --teardown none: the buffer outlives main(), as a compiled model's state buffer does
 
@@ -53,7 +53,7 @@ def main() -> None:
     got = one_shot_all_reduce(x, buffer, group.group_name)
     torch.cuda.synchronize()
     report = dict(torch=torch.__version__, device=torch.cuda.get_device_name(), asked_backend=args.backend,
-                  backend=symm_mem.get_backend(device), teardown=args.teardown,
+                  backend=symm_mem_backend(device), teardown=args.teardown,
                   same_sum=bool(torch.allclose(got.float(), expected.float(), atol=1e-2, rtol=1e-2)),
                   unix_time=round(time.time(), 1))
     if dist.get_rank() == 0:
