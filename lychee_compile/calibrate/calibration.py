@@ -51,9 +51,11 @@ def default_heads(room: int) -> list[int]:
     return sorted({c for c in HEAD_COUNTS if c <= room} | ({room} if room < HEAD_COUNTS[-1] else set()) | small)
 
 
-def _settings(model, target, kw) -> dict:
+def _settings(model, tokenizer, target, kw) -> dict:
     from ..head_map import config_fingerprint
-    return dict(model=config_fingerprint(model.config), dtype=str(model.dtype), target=str(target),
+    from ..real_model import tokenizer_fingerprint
+    return dict(model=config_fingerprint(model.config), tokenizer=tokenizer_fingerprint(tokenizer),
+                dtype=str(model.dtype), target=str(target),
                 **{k: v for k, v in kw.items() if k not in ("progress", "log", "certify", "certify_backend",
                                                             "batch_size", "certify_prompts", "certify_seed",
                                                             "min_prompts", "search_margin")})
@@ -101,7 +103,9 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
         raise ValueError("certify_seed must differ from search_seed: held-out prompts come from unused seeds")
     with dynamo_limits():     # Dynamo's recompile limits raised for the run's many variants (scoped)
         from ..head_map import legacy_config_fingerprint
-        store = Store(out_dir, _settings(model, tgt, kw), aliases={"model": {legacy_config_fingerprint(model.config)}})
+        # a folder made before the tokenizer was recorded resumes under the tokenizer of this run
+        store = Store(out_dir, _settings(model, tokenizer, tgt, kw),
+                      aliases={"model": {legacy_config_fingerprint(model.config)}, "tokenizer": {None}})
         s = Session(model, tokenizer, tgt, store, kw, progress, log)
         t0 = time.perf_counter()
         room = beyond_first(s.global_layers(), model_geometry(model.config)[1])

@@ -35,6 +35,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 (default), gemma3-270m, qwen2.5-coder-0.5b (the "
                    "models `lychee eval` knows), the path of a .gguf file, or a local Hugging Face model folder")
     p.add_argument("--sha256", default=None, help="expected sha256 of a --model given as a .gguf path")
+    p.add_argument("--tokenizer", default=None, metavar="FOLDER", help="a folder with a saved tokenizer to use "
+                   "instead of the model's (e.g. for a transformers whose GGUF conversion is refused as broken); "
+                   "state.json records the tokenizer's fingerprint, so a resume with another one is refused")
     p.add_argument("--text", default="persuasion", help="calibration text: the shipped haystack (default "
                    "'persuasion') or a UTF-8 text file")
     p.add_argument("--target", default="passkey=1pt,ppl=2%", help="quality target, comma-separated METRIC=BOUND "
@@ -104,15 +107,16 @@ def _ints(text):
     return None if text is None else [int(x) for x in text.split(",") if x.strip()]
 
 
-def load_model(name: str, sha256: str | None, progress: bool):
-    """(model, tokenizer, chat_template) of --model: a folder through transformers, else `lychee eval`'s loader."""
+def load_model(name: str, sha256: str | None, progress: bool, tokenizer=None):
+    """(model, tokenizer, chat_template) of --model: a folder through transformers, else `lychee eval`'s loader;
+    the tokenizer from the folder `tokenizer` when given."""
     import os
     if os.path.isdir(name):
         from ..training.cli import _load_model
-        model, tok = _load_model(name)
+        model, tok = _load_model(name, tokenizer=tokenizer)
         return model, tok, True
     from ..eval.models import load_eval_model
-    model, tok, entry = load_eval_model(name, progress=progress, sha256=sha256)
+    model, tok, entry = load_eval_model(name, progress=progress, sha256=sha256, tokenizer=tokenizer)
     return model, tok, entry.chat_template
 
 
@@ -137,7 +141,7 @@ def run(args) -> int:
         return 2
     torch.set_num_threads(args.threads)
     try:
-        model, tok, chat = load_model(args.model, args.sha256, not args.no_progress)
+        model, tok, chat = load_model(args.model, args.sha256, not args.no_progress, args.tokenizer)
     except RealModelUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -43,6 +43,8 @@ def add_parser(sub) -> None:
                         "and sha256-checked (see eval/models.py for how to obtain them)")
     p.add_argument("--sha256", default=None, help="expected sha256 of a --model given as a .gguf path (refused if "
                                                   "it differs)")
+    p.add_argument("--tokenizer", default=None, metavar="FOLDER", help="a folder with a saved tokenizer to use "
+                   "instead of the GGUF's, for a transformers whose GGUF conversion is refused as broken")
     p.add_argument("--no-chat-template", action="store_true",
                    help="passkey: raw prompts even if the tokenizer has a chat template (base models are raw "
                         "anyway)")
@@ -113,7 +115,8 @@ def run(args) -> int:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     try:
-        model, tok, entry = load_eval_model(args.model, progress=not args.no_progress, sha256=args.sha256)
+        model, tok, entry = load_eval_model(args.model, progress=not args.no_progress, sha256=args.sha256,
+                                            tokenizer=args.tokenizer)
     except RealModelUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

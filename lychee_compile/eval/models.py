@@ -66,18 +66,20 @@ def resolve(name: str) -> tuple[EvalModel, Path | None]:
 
 
 def load_eval_model(name: str = "smollm2", progress: bool = True, sha256: str | None = None,
-                    attn_implementation: str = "sdpa"):
-    """(model, tokenizer, EvalModel) for `lychee eval --model name`. `sha256` checks a GGUF given by path."""
+                    attn_implementation: str = "sdpa", tokenizer=None):
+    """(model, tokenizer, EvalModel) for `lychee eval --model name`. `sha256` checks a GGUF given by path;
+    `tokenizer`: a folder whose saved tokenizer replaces the GGUF's (real_model.load_gguf_model)."""
     from ..errors import RealModelUnavailable
     from ..real_model import load_gguf_model, load_smollm2
     entry, path = resolve(name)
     if path is None:
-        model, tok = load_smollm2(progress=progress, attn_implementation=attn_implementation)
+        model, tok = load_smollm2(progress=progress, attn_implementation=attn_implementation, tokenizer=tokenizer)
         return model, tok, entry
     expected = entry.sha256 or sha256
     try:
         model, tok = load_gguf_model(path, expected, cache_name=f"{OTHER_MODELS_DIR}/fp32-{path.stem}",
-                                     progress=progress, attn_implementation=attn_implementation)
+                                     progress=progress, attn_implementation=attn_implementation,
+                                     tokenizer=tokenizer)
     except RealModelUnavailable as exc:
         if entry.how_to_get and not path.is_file():
             raise RealModelUnavailable(f"{exc}\nTo obtain {entry.title}: {entry.how_to_get}; put it at {path}"

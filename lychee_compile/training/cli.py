@@ -63,16 +63,17 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _load_model(name: str, device: str = "cpu"):
+def _load_model(name: str, device: str = "cpu", tokenizer=None):
+    """(model, tokenizer): SmolLM2, or a local Hugging Face folder; the tokenizer from the folder `tokenizer` if
+    given."""
     if name == "smollm2":
         from ..real_model import load_smollm2
-        return load_smollm2(progress=True, device=device)
+        return load_smollm2(progress=True, device=device, tokenizer=tokenizer)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from ..real_model import check_tokenizer
-    tok = AutoTokenizer.from_pretrained(name)
-    check_tokenizer(tok, name)
+    from ..real_model import load_tokenizer
+    tok = load_tokenizer(tokenizer or name, name)
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa")
     return model.to(device).eval(), tok
 
