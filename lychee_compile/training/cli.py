@@ -70,10 +70,14 @@ def _load_model(name: str, device: str = "cpu", tokenizer=None):
         from ..real_model import load_smollm2
         return load_smollm2(progress=True, device=device, tokenizer=tokenizer)
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..real_model import load_tokenizer
-    tok = load_tokenizer(tokenizer or name, name)
+    from ..real_model import check_tokenizer, load_tokenizer
+    if tokenizer is not None:
+        tok = load_tokenizer(tokenizer, name)
+    else:                    # `name` may also be a hub id where the hub is reachable
+        tok = AutoTokenizer.from_pretrained(name)
+        check_tokenizer(tok, name)
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa")
     return model.to(device).eval(), tok
 
