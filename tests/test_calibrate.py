@@ -10,6 +10,7 @@ shows as such): a point that passes the search and fails certification, and the 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -354,16 +355,18 @@ def test_certify_point_argument_parses_heads_at_budget():
 
 def test_a_folder_is_resumed_only_with_the_tokenizer_it_was_made_with(tmp_path):
     """state.json records the tokenizer's fingerprint: prompts made by another splitting of the text are not the
-    same prompts. A folder made before the fingerprint was recorded resumes under this run's tokenizer."""
-    from lychee_compile.calibrate.calibration import _settings
-    from lychee_compile.calibrate.store import Store
-    from tests.test_eval_models import PieceTokenizer
-    model, kw = make("llama"), dict(lengths=[64])
-    made = _settings(model, PieceTokenizer((5,)), TARGET, kw)
-    Store(str(tmp_path), made).put("point/h0-b64", {"passes": True})
+    same prompts. A folder made before the fingerprint was recorded is refused too (its tokenizer is unknown)."""
+    class Other(Tok):        # splits alike, another vocabulary: another fingerprint
+        def __len__(self):
+            return 1000
+    out = str(tmp_path / "calib")
+    calibrate(make("llama"), Tok(), TARGET, out, **dict(TINY, certify=False))
     with pytest.raises(ValueError, match="tokenizer differ"):
-        Store(str(tmp_path), _settings(model, PieceTokenizer((2, 3)), TARGET, kw),
-              aliases={"tokenizer": {None}})
-    older = tmp_path / "older"
-    Store(str(older), {k: v for k, v in made.items() if k != "tokenizer"}).put("point/h0-b64", {"passes": True})
-    assert Store(str(older), made, aliases={"tokenizer": {None}}).get("point/h0-b64") == {"passes": True}
+        calibrate(make("llama"), Other(), TARGET, out, **dict(TINY, certify=False))
+    with open(os.path.join(out, "state.json")) as f:
+        state = json.load(f)
+    del state["settings"]["tokenizer"]
+    with open(os.path.join(out, "state.json"), "w") as f:
+        json.dump(state, f)
+    with pytest.raises(ValueError, match="tokenizer differ"):
+        calibrate(make("llama"), Tok(), TARGET, out, **dict(TINY, certify=False))

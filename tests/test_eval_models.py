@@ -26,6 +26,9 @@ class BosCharTokenizer:
         ids = [ord(c) for c in text]
         return type("Enc", (), {"input_ids": ([self.BOS] if add_special_tokens else []) + ids})()
 
+    def __len__(self):
+        return 0x110000
+
     def decode(self, ids, skip_special_tokens=False):
         return "".join("" if i == self.BOS else chr(i) for i in ids)
 
@@ -164,6 +167,9 @@ class PieceTokenizer(BosCharTokenizer):
             at, k = at + size, k + 1
         return type("Enc", (), {"input_ids": ([self.BOS] if add_special_tokens else []) + ids})()
 
+    def __len__(self):
+        return 50002
+
 
 def test_a_tokenizer_of_word_pieces_far_below_a_vocabulary_is_refused():
     real_model.check_tokenizer(PieceTokenizer((5,)), "m")
@@ -199,7 +205,8 @@ def test_a_tokenizer_converted_from_a_gguf_into_word_pieces_is_refused_and_nothi
 
 
 class _Weights:
-    """What AutoModelForCausalLM.from_pretrained returns in the tokenizer-folder tests: only placed, never run."""
+    """What AutoModelForCausalLM.from_pretrained returns in the tokenizer-folder tests: placed and cached, never run."""
+    config = type("Config", (), {"vocab_size": 50002})()
 
     def to(self, *a, **k):
         return self
@@ -208,46 +215,95 @@ class _Weights:
         return self
 
 
-def _tokenizer_folder_loads(monkeypatch, tmp_path, cached: bool) -> list:
+def _tokenizer_folder_loads(monkeypatch, tmp_path, cached: bool) -> tuple[list, list]:
     """Loads where the GGUF's (or the cache's) tokenizer is broken and tmp_path/'tok' holds a good one; returns the
-    list of the folders AutoTokenizer was asked for."""
+    folders AutoTokenizer was asked for and the tokenizers written to the cache."""
     import transformers
     (tmp_path / "tok").mkdir()
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
-    asked = []
+    asked, saved = [], []
 
     def tokenizer(folder, **kw):
         asked.append((str(folder), kw.get("gguf_file")))
         return PieceTokenizer((5,)) if str(folder) == str(tmp_path / "tok") else PieceTokenizer((2, 3))
+    monkeypatch.setenv("LYCHEE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(real_model, "_cache_complete", lambda folder, tag="": cached)
     monkeypatch.setattr(real_model, "_check_gguf_readers", lambda: None)
+    monkeypatch.setattr(real_model, "_save_cache", lambda model, tok, folder, tag="": saved.append(tok))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: _Weights())
-    return asked
+    return asked, saved
 
 
 @pytest.mark.parametrize("cached", [False, True])
 def test_a_tokenizer_folder_replaces_a_broken_conversion_or_cache(tmp_path, monkeypatch, cached):
-    asked = _tokenizer_folder_loads(monkeypatch, tmp_path, cached)
-    with pytest.raises(real_model.RealModelUnavailable, match="--tokenizer FOLDER"):
-        real_model.load_gguf_model(tmp_path / "m.gguf", progress=False, use_cache=False)
+    asked, saved = _tokenizer_folder_loads(monkeypatch, tmp_path, cached)
+    with pytest.raises(real_model.TokenizerRefused, match="--tokenizer FOLDER"):
+        real_model.load_gguf_model(tmp_path / "m.gguf", progress=False)
+    assert asked[-1][1] == (None if cached else "m.gguf"), "the refused tokenizer came from the cache / the GGUF"
     asked.clear()
-    _, tok = real_model.load_gguf_model(tmp_path / "m.gguf", progress=False, use_cache=False,
-                                        tokenizer=tmp_path / "tok")
-    assert asked == [(str(tmp_path / "tok"), None)], "only the given folder is read: no conversion, no cache"
-    assert real_model.tokenizer_fingerprint(tok) == real_model.tokenizer_fingerprint(PieceTokenizer((5,)))
+    _, tok = real_model.load_gguf_model(tmp_path / "m.gguf", progress=False, tokenizer=tmp_path / "tok")
+    assert asked == [(str(tmp_path / "tok"), None)], "only the given folder is read: no conversion, no cached one"
+    good = real_model.tokenizer_fingerprint(PieceTokenizer((5,)))
+    assert real_model.tokenizer_fingerprint(tok) == good
+    # a fresh de-quantization caches the weights with the given tokenizer; a cache read writes nothing
+    assert [real_model.tokenizer_fingerprint(t) for t in saved] == ([] if cached else [good])
 
 
-def test_a_tokenizer_folder_is_checked_and_must_exist(tmp_path, monkeypatch):
+def test_a_tokenizer_folder_is_checked_must_hold_one_and_fit_the_model(tmp_path, monkeypatch):
+    import transformers
     _tokenizer_folder_loads(monkeypatch, tmp_path, cached=False)
-    with pytest.raises(real_model.RealModelUnavailable, match="does not exist"):
+    with pytest.raises(real_model.TokenizerRefused, match="is not a folder"):
         real_model.load_gguf_model(tmp_path / "m.gguf", progress=False, tokenizer=tmp_path / "none")
     (tmp_path / "broken").mkdir()
-    with pytest.raises(real_model.RealModelUnavailable, match="read from the tokenizer folder"):
+    with pytest.raises(real_model.TokenizerRefused, match="read from the tokenizer folder"):
         real_model.load_gguf_model(tmp_path / "m.gguf", progress=False, tokenizer=tmp_path / "broken")
 
+    def unreadable(folder, **kw):
+        raise OSError("no tokenizer files")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", unreadable)
+    with pytest.raises(real_model.TokenizerRefused, match="no tokenizer could be read"):
+        real_model.load_gguf_model(tmp_path / "m.gguf", progress=False, tokenizer=tmp_path / "tok")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: PieceTokenizer((5,)))
+    monkeypatch.setattr(_Weights, "config", type("Config", (), {"vocab_size": 1000})())
+    with pytest.raises(real_model.TokenizerRefused, match="not this model's tokenizer"):
+        real_model.load_gguf_model(tmp_path / "m.gguf", progress=False, tokenizer=tmp_path / "tok")
 
-def test_tokenizer_fingerprints_tell_splittings_apart():
+
+def test_a_tokenizer_refusal_gets_no_hint_about_obtaining_the_gguf(tmp_path, monkeypatch):
+    monkeypatch.setenv("LYCHEE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(models.EVAL_MODELS["gemma3-270m"].env, str(tmp_path / "absent.gguf"))
+    monkeypatch.setattr(real_model, "_cache_complete", lambda folder, tag="": True)
+    with pytest.raises(real_model.TokenizerRefused) as refused:
+        models.load_eval_model("gemma3-270m", progress=False, tokenizer=tmp_path / "none")
+    assert "To obtain" not in str(refused.value)
+
+
+@pytest.mark.parametrize("command", ["eval", "calibrate"])
+@pytest.mark.parametrize("model", ["gemma3-270m", "FOLDER"])
+def test_the_tokenizer_option_reaches_the_loader(tmp_path, monkeypatch, capsys, command, model):
+    from lychee_compile.cli import main
+    from lychee_compile.training import cli as training_cli
+    seen = []
+
+    def loader(name, *a, tokenizer=None, **k):
+        seen.append(tokenizer)
+        raise real_model.RealModelUnavailable("stop here")
+    monkeypatch.setattr(models, "load_eval_model", loader)
+    monkeypatch.setattr(training_cli, "_load_model", loader)
+    if model == "FOLDER":
+        if command == "eval":
+            pytest.skip("lychee eval takes a GGUF or a known name, not a folder")
+        model = str(tmp_path)
+    task = ["--task", "ppl"] if command == "eval" else []
+    rc = main([command, "--model", model, "--tokenizer", str(tmp_path / "tok"), "--no-progress",
+               "--out", str(tmp_path / "out")] + task)
+    assert rc == 2 and "stop here" in capsys.readouterr().err
+    assert seen == [str(tmp_path / "tok")]
+
+
+def test_tokenizer_fingerprints_tell_splittings_and_templates_apart():
     fp = real_model.tokenizer_fingerprint
     assert fp(PieceTokenizer((5,))) == fp(PieceTokenizer((5,)))
-    assert len({fp(PieceTokenizer((5,))), fp(PieceTokenizer((2, 3))), fp(BosCharTokenizer())}) == 3
+    assert len({fp(PieceTokenizer((5,))), fp(PieceTokenizer((2, 3))), fp(BosCharTokenizer()),
+                fp(BosCharTokenizer(chat_template="{{ messages }}"))}) == 4

@@ -103,9 +103,9 @@ def calibrate(model, tokenizer, target: str = "passkey=1pt,ppl=2%", out_dir: str
         raise ValueError("certify_seed must differ from search_seed: held-out prompts come from unused seeds")
     with dynamo_limits():     # Dynamo's recompile limits raised for the run's many variants (scoped)
         from ..head_map import legacy_config_fingerprint
-        # a folder made before the tokenizer was recorded resumes under the tokenizer of this run
+        # a folder made before the tokenizer was recorded is refused: which tokenizer made its prompts is unknown
         store = Store(out_dir, _settings(model, tokenizer, tgt, kw),
-                      aliases={"model": {legacy_config_fingerprint(model.config)}, "tokenizer": {None}})
+                      aliases={"model": {legacy_config_fingerprint(model.config)}})
         s = Session(model, tokenizer, tgt, store, kw, progress, log)
         t0 = time.perf_counter()
         room = beyond_first(s.global_layers(), model_geometry(model.config)[1])

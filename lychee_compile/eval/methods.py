@@ -105,8 +105,8 @@ def parse_policy_params(text: str | None) -> dict[str, float]:
 
 def default_head_map(model) -> tuple[HeadMap, str]:
     """The certified map shipped in lychee_compile/data for this model's config if there is one (SmolLM2-135M,
-    Qwen2.5-Coder-0.5B, Gemma-3-270M: training.shipped_map_for), else the demo's placeholder (whole layers 0, 1 and the middle
-    one). Returns (map, where it came from)."""
+    Qwen2.5-Coder-0.5B, Gemma-3-270M: training.shipped_map_for), else the demo's placeholder (whole layers 0, 1 and
+    the middle one). Returns (map, where it came from)."""
     from ..training import certified_shipped_maps, shipped_map_for
     shipped = shipped_map_for(model)
     if shipped is not None:

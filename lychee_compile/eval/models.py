@@ -69,7 +69,7 @@ def load_eval_model(name: str = "smollm2", progress: bool = True, sha256: str | 
                     attn_implementation: str = "sdpa", tokenizer=None):
     """(model, tokenizer, EvalModel) for `lychee eval --model name`. `sha256` checks a GGUF given by path;
     `tokenizer`: a folder whose saved tokenizer replaces the GGUF's (real_model.load_gguf_model)."""
-    from ..errors import RealModelUnavailable
+    from ..errors import RealModelUnavailable, TokenizerRefused
     from ..real_model import load_gguf_model, load_smollm2
     entry, path = resolve(name)
     if path is None:
@@ -80,6 +80,8 @@ def load_eval_model(name: str = "smollm2", progress: bool = True, sha256: str | 
         model, tok = load_gguf_model(path, expected, cache_name=f"{OTHER_MODELS_DIR}/fp32-{path.stem}",
                                      progress=progress, attn_implementation=attn_implementation,
                                      tokenizer=tokenizer)
+    except TokenizerRefused:     # a tokenizer problem, whatever the GGUF's state: no hint about obtaining it
+        raise
     except RealModelUnavailable as exc:
         if entry.how_to_get and not path.is_file():
             raise RealModelUnavailable(f"{exc}\nTo obtain {entry.title}: {entry.how_to_get}; put it at {path}"

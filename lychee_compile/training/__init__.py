@@ -14,9 +14,9 @@
     cli.py              `lychee train-heads`
 
 Shipped maps: shipped_map_path() / load_shipped_map() (lychee_compile/data/NAME.safetensors): "smollm2-135m" (the
-package default), "qwen2.5-coder-0.5b" and "gemma3-270m" (8K-32K), each made and certified by `lychee calibrate` (its metadata:
-target, measured quality with intervals, recommended budget); "smollm2-135m-hardkuma", the HardKuma map this trainer
-learned (docs/quality.md compares them). shipped_map_for(model): the certified one made for this model's config.
+package default), "qwen2.5-coder-0.5b" and "gemma3-270m" (8K-32K), each made and certified by `lychee calibrate`
+(its metadata: target, measured quality with intervals, recommended budget); "smollm2-135m-hardkuma", the HardKuma
+map this trainer learned (docs/quality.md compares them). shipped_map_for(model): the certified one made for this model's config.
 """
 
 

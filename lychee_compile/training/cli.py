@@ -72,13 +72,14 @@ def _load_model(name: str, device: str = "cpu", tokenizer=None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..real_model import check_tokenizer, load_tokenizer
+    from ..real_model import check_tokenizer, check_vocabulary, load_tokenizer
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer, name)
     else:                    # `name` may also be a hub id where the hub is reachable
         tok = AutoTokenizer.from_pretrained(name)
         check_tokenizer(tok, name)
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa")
+    check_vocabulary(tok, model, name)
     return model.to(device).eval(), tok
 
 
