@@ -323,7 +323,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
     two tokenizers that split text differently (transformers 5.17's and 5.23's conversions of one GGUF) get
     different fingerprints."""
     import hashlib
-    what = (len(tokenizer), list(tokenizer(TOKENIZER_PROBE).input_ids))
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else None     # calibrate() takes any callable tokenizer
+    what = (size, list(tokenizer(TOKENIZER_PROBE).input_ids))
     template = getattr(tokenizer, "chat_template", None)
     if template:         # only then, so a template-less tokenizer's fingerprint stays what state files recorded
         what += (hashlib.sha256(str(template).encode()).hexdigest(),)
